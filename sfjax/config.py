@@ -1,0 +1,177 @@
+"""Frozen, hashable configuration: the model (from HF ``config.json``) and the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """HF ``rope_scaling``: ``llama3`` (frequency bands) or ``linear`` (position interpolation)."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family model, static and hashable so jitted functions can take it as is."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], dtype: str = "auto") -> "ModelConfig":
+        """Converts a LlamaForCausalLM ``config.json`` dict; raises ValueError on anything else."""
+        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        if hf.get("model_type", "llama") != "llama" or not set(archs) <= set(SUPPORTED_ARCHITECTURES):
+            raise ValueError(
+                f"unsupported architecture {archs} (model_type={hf.get('model_type')!r}); "
+                f"sfjax serves {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ValueError(f"config.json: {flag}=true is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
+        try:
+            heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            cfg = dict(
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json is missing the field {e.args[0]!r}") from None
+        if dtype == "auto":
+            dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+        eos = hf.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        return cls(
+            **cfg,
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(hf.get("rope_scaling")),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            dtype=dtype,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike, dtype: str = "auto") -> "ModelConfig":
+        return cls.from_hf_config(read_json(os.path.join(path, "config.json")), dtype)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        out = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": self.dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
+            else self.eos_token_ids[0],
+        }
+        if self.rope_scaling is not None:
+            rs = dataclasses.asdict(self.rope_scaling)
+            out["rope_scaling"] = {"rope_type": rs.pop("rope_type"), **rs}
+        return out
+
+    def num_params(self) -> int:
+        d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + head + L * (attn + 3 * d * f + 2 * d) + d
+
+
+def _rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "default":
+        return None
+    if kind not in ("llama3", "linear"):
+        raise ValueError(f"config.json: rope_scaling type {kind!r} is not supported (llama3, linear)")
+    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
+    return RopeScaling(rope_type=kind, **{k: v for k, v in rs.items() if k in fields})
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"model folder: {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model folder: {path} is not valid JSON ({e})") from None
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [head_dim // 2], with HF's llama3 / linear scaling applied."""
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    if rs.rope_type == "linear":
+        return inv / rs.factor
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)

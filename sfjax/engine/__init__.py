@@ -1,0 +1,3 @@
+from sfjax.engine.engine import Engine, EngineConfig
+
+__all__ = ["Engine", "EngineConfig"]

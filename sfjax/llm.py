@@ -1,0 +1,96 @@
+"""The vLLM-shaped offline facade: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from sfjax.config import ModelConfig
+from sfjax.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineConfig
+from sfjax.outputs import RequestOutput
+from sfjax.sampling_params import SamplingParams
+from sfjax.tokenizer import generation_eos_ids, load_tokenizer
+from sfjax.weights import load_hf
+
+
+class LLM:
+    """An engine over one HF model folder (config.json, safetensors, tokenizer.json).
+
+    ``model=None`` serves the embedded default model. Bad input raises ValueError naming the
+    problem before anything runs: for ``generate``, every prompt and its SamplingParams are
+    checked first, and if one is refused nothing of the call is enqueued, so no request is
+    half-run or lost; requests already in the engine carry on.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, tokenizer: str | None = None,
+                 dtype: str = "auto", block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int | None = None, seed: int = 0, row_tile: int = 8,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
+        if model is None:
+            from sfjax.default_model import default_model_path
+            model = default_model_path()
+        model = os.fspath(model)
+        if not os.path.isdir(model):
+            raise ValueError(f"model: {model!r} is not a folder (an HF model folder is expected)")
+        self.model_path = model
+        self.model_config = ModelConfig.from_folder(model, dtype)
+        self.tokenizer = load_tokenizer(tokenizer or model)
+        weights = load_hf(model, self.model_config)
+        config = EngineConfig(
+            block_size=block_size, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
+            seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes)
+        self.engine = Engine(self.model_config, weights, self.tokenizer, config,
+                             generation_eos_ids(model, self.model_config.eos_token_ids))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for each prompt (a str, a list of str, or dicts with ``prompt_token_ids``);
+        returns RequestOutputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(prompts)
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                requests.append(self.engine.prepare(str(self._next_id + i), prompt, p))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        self._next_id += len(prompts)
+        for req in requests:
+            self.engine.enqueue(req)
+        return self._run([r.request_id for r in requests], use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, n_in, n_out = time.monotonic(), 0, 0
+        while pending:
+            for out in self.engine.step():
+                n_out += len(out.new_token_ids)
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    done[out.request_id] = out
+                    n_in += len(out.prompt_token_ids)
+                    bar.update(1)
+                    elapsed = max(time.monotonic() - start, 1e-9)
+                    bar.set_postfix_str(f"est. speed input: {n_in / elapsed:.2f} toks/s, "
+                                        f"output: {n_out / elapsed:.2f} toks/s")
+        bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,115 @@
+"""Llama as pure functions over a ragged token batch and a paged KV cache.
+
+A call processes N query rows (N a multiple of ``row_tile``): prefill chunks, decode tokens and
+verify tokens of many sequences alike, each row with its slot and position. Every dense op runs
+per fixed tile of ``row_tile`` rows (``lax.map``), so a row's bits never depend on N or on the
+other rows: XLA's GEMMs pick their code path by M, and a plain ``x @ W`` is not batch-invariant
+(measured on XLA:CPU: M = 1 and M = 8 differ by 1.7e-6). Attention is row-invariant by
+construction (pallas_kernels/paged_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.paged_attention import paged_attention_reference
+from sfjax.cache import KVCache
+from sfjax.config import ModelConfig, rope_frequencies
+from sfjax.weights import Weights
+
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def rope(x, positions, inv_freq):
+    """HF's rotate-half RoPE. x [T, heads, D]; positions [T]."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def per_tile(fn, row_tile: int, *xs):
+    """Applies ``fn`` to fixed tiles of ``row_tile`` rows; the tile shape is the only one compiled."""
+    n = xs[0].shape[0]
+    tiles = [x.reshape(n // row_tile, row_tile, *x.shape[1:]) for x in xs]
+    out = lax.map(lambda t: fn(*t), tiles)
+    return jax.tree.map(lambda o: o.reshape(n, *o.shape[2:]), out)
+
+
+def _qkv(x, positions, lw, cfg: ModelConfig, inv_freq):
+    t = x.shape[0]
+    h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
+    q = (h @ lw["wq"]).reshape(t, cfg.num_heads, cfg.head_dim)
+    k = (h @ lw["wk"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = (h @ lw["wv"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+
+
+def _out_and_mlp(x, attn, lw, cfg: ModelConfig):
+    x = x + attn.reshape(x.shape[0], -1).astype(x.dtype) @ lw["wo"]
+    h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
+    return x + (jax.nn.silu(h @ lw["w_gate"]) * (h @ lw["w_up"])) @ lw["w_down"]
+
+
+def cache_slots(block_tables, slots, positions, block_size):
+    """(page, offset) each query row writes; padding rows (slot < 0) go to the null block 0."""
+    pad = (slots < 0) | (positions < 0)
+    pos = jnp.maximum(positions, 0)
+    page = block_tables[jnp.maximum(slots, 0), pos // block_size]
+    return jnp.where(pad, 0, page), jnp.where(pad, 0, pos % block_size)
+
+
+_LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables,
+            cfg: ModelConfig, row_tile: int = 8):
+    """The ragged forward: writes each row's K/V to its page, returns hidden states.
+
+    Args:
+      tokens, positions, slots: int32 [N] (N a multiple of ``row_tile``; padding: slot -1).
+      block_tables: int32 [max_seqs, max_blocks].
+    Returns:
+      (hidden [N, d], cache) with this call's K/V written.
+    """
+    inv_freq = rope_frequencies(cfg)
+    x = weights.embed[tokens]
+    page, off = cache_slots(block_tables, slots, positions, cache.k.shape[2])
+    layers = {f: getattr(weights, f) for f in _LAYER_FIELDS}
+    sm_scale = float(cfg.head_dim) ** -0.5
+
+    def layer(carry, xs):
+        x, kc, vc = carry
+        lw, i = xs
+        q, k, v = per_tile(functools.partial(_qkv, lw=lw, cfg=cfg, inv_freq=inv_freq),
+                           row_tile, x, positions)
+        kc = kc.at[i, page, off].set(k.astype(kc.dtype))
+        vc = vc.at[i, page, off].set(v.astype(vc.dtype))
+        attn = paged_attention_reference(q, kc, vc, i, block_tables, slots, positions,
+                                         sm_scale=sm_scale, row_tile=row_tile)
+        x = per_tile(functools.partial(_out_and_mlp, lw=lw, cfg=cfg), row_tile, x, attn)
+        return (x, kc, vc), None
+
+    (x, k, v), _ = lax.scan(layer, (x, cache.k, cache.v), (layers, jnp.arange(cfg.num_layers)))
+    return x, KVCache(k=k, v=v)
+
+
+def logits(weights: Weights, hidden, cfg: ModelConfig, row_tile: int = 8):
+    """Final norm and LM head, per tile; float32 [R, vocab]."""
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+
+    def fn(h):
+        h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
+        return jnp.dot(h, head, preferred_element_type=jnp.float32)
+
+    return per_tile(fn, row_tile, hidden)

@@ -1,0 +1,196 @@
+"""The weights pytree, described once; random init, HF safetensors loading and saving derive from it.
+
+Layers are stacked on a leading axis so the model runs them with ``lax.scan``. Matrices are
+stored ``[in, out]`` (HF ``nn.Linear`` keeps ``[out, in]``; loading transposes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from sfjax.config import ModelConfig, read_json
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    embed: jax.Array        # [vocab, d]
+    attn_norm: jax.Array    # [L, d]
+    wq: jax.Array           # [L, d, heads * head_dim]
+    wk: jax.Array           # [L, d, kv_heads * head_dim]
+    wv: jax.Array           # [L, d, kv_heads * head_dim]
+    wo: jax.Array           # [L, heads * head_dim, d]
+    mlp_norm: jax.Array     # [L, d]
+    w_gate: jax.Array       # [L, d, ffn]
+    w_up: jax.Array         # [L, d, ffn]
+    w_down: jax.Array       # [L, ffn, d]
+    final_norm: jax.Array   # [d]
+    lm_head: jax.Array | None  # [d, vocab]; None when tied to embed
+
+
+class ArrayInfo(NamedTuple):
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]          # logical axis names, mapped to a mesh by one rules table
+    hf_name: str                   # per-layer names carry "{i}"
+    transpose: bool                # HF stores it [out, in]
+    init: str                      # "normal" | "ones"
+
+
+def describe(cfg: ModelConfig) -> dict[str, ArrayInfo]:
+    """Every weight array once: shape, logical axes, HF name, layout, initializer."""
+    d, f, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    p = "model.layers.{i}."
+    out = {
+        "embed": ArrayInfo((V, d), ("vocab", "embed"), "model.embed_tokens.weight", False, "normal"),
+        "attn_norm": ArrayInfo((L, d), ("layers", "embed"), p + "input_layernorm.weight", False, "ones"),
+        "wq": ArrayInfo((L, d, q), ("layers", "embed", "q_heads"), p + "self_attn.q_proj.weight", True, "normal"),
+        "wk": ArrayInfo((L, d, kv), ("layers", "embed", "kv_heads"), p + "self_attn.k_proj.weight", True, "normal"),
+        "wv": ArrayInfo((L, d, kv), ("layers", "embed", "kv_heads"), p + "self_attn.v_proj.weight", True, "normal"),
+        "wo": ArrayInfo((L, q, d), ("layers", "q_heads", "embed"), p + "self_attn.o_proj.weight", True, "normal"),
+        "mlp_norm": ArrayInfo((L, d), ("layers", "embed"), p + "post_attention_layernorm.weight", False, "ones"),
+        "w_gate": ArrayInfo((L, d, f), ("layers", "embed", "mlp"), p + "mlp.gate_proj.weight", True, "normal"),
+        "w_up": ArrayInfo((L, d, f), ("layers", "embed", "mlp"), p + "mlp.up_proj.weight", True, "normal"),
+        "w_down": ArrayInfo((L, f, d), ("layers", "mlp", "embed"), p + "mlp.down_proj.weight", True, "normal"),
+        "final_norm": ArrayInfo((d,), ("embed",), "model.norm.weight", False, "ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = ArrayInfo((d, V), ("embed", "vocab"), "lm_head.weight", True, "normal")
+    return out
+
+
+def abstract(cfg: ModelConfig) -> Weights:
+    """The weights as ``jax.ShapeDtypeStruct``s (restore targets, ``jit(...).lower``)."""
+    info = describe(cfg)
+    return Weights(**{k: jax.ShapeDtypeStruct(a.shape, cfg.jnp_dtype) for k, a in info.items()},
+                   **({"lm_head": None} if cfg.tie_word_embeddings else {}))
+
+
+def init_random(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
+                norm_jitter: float = 0.0) -> Weights:
+    """Random weights (normal(std) matrices, norms ones + jitter), deterministic in ``seed``."""
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, a in describe(cfg).items():
+        if a.init == "ones":
+            x = 1.0 + norm_jitter * rng.standard_normal(a.shape)
+        else:
+            x = std * rng.standard_normal(a.shape)
+        arrays[name] = jnp.asarray(x.astype(np.float32), cfg.jnp_dtype)
+    if cfg.tie_word_embeddings:
+        arrays["lm_head"] = None
+    return Weights(**arrays)
+
+
+def check(weights: Weights, cfg: ModelConfig) -> None:
+    """Raises ValueError naming the first array whose shape or dtype does not fit ``cfg``."""
+    info = describe(cfg)
+    if cfg.tie_word_embeddings != (weights.lm_head is None):
+        raise ValueError(f"weights.lm_head: expected {'None (tied)' if cfg.tie_word_embeddings else 'an array'}")
+    for name, a in info.items():
+        x = getattr(weights, name)
+        if tuple(x.shape) != a.shape:
+            raise ValueError(f"weights.{name}: shape {tuple(x.shape)}, config needs {a.shape}")
+        if x.dtype != cfg.jnp_dtype:
+            raise ValueError(f"weights.{name}: dtype {x.dtype}, config needs {cfg.dtype}")
+
+
+# ---------------------------------------------------------------------------------------------
+# HF folders
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"model folder: {index} has no weight_map")
+        files = sorted({os.path.join(path, f) for f in weight_map.values()})
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model folder: no *.safetensors weights in {path}")
+    for f in files:
+        if not os.path.exists(f):
+            raise ValueError(f"model folder: shard {f} listed in the index is missing")
+    return files
+
+
+def _tensor_reader(path: str) -> Callable[[str], np.ndarray]:
+    where: dict[str, str] = {}
+    for f in _safetensors_files(path):
+        try:
+            with safe_open(f, framework="numpy") as sf:
+                where.update({k: f for k in sf.keys()})
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"model folder: cannot read {f}: {e}") from None
+
+    def read(name: str) -> np.ndarray:
+        if name not in where:
+            raise ValueError(f"model folder: tensor {name!r} is missing from {path}")
+        with safe_open(where[name], framework="numpy") as sf:
+            return sf.get_tensor(name)
+
+    return read
+
+
+def load_hf(path: str, cfg: ModelConfig) -> Weights:
+    """Loads ``model.safetensors`` (or sharded safetensors with their index) without torch."""
+    read = _tensor_reader(path)
+    arrays = {}
+    for name, a in describe(cfg).items():
+        if "{i}" in a.hf_name:
+            parts = [read(a.hf_name.format(i=i)) for i in range(cfg.num_layers)]
+            x = np.stack([p.T if a.transpose else p for p in parts])
+        else:
+            x = read(a.hf_name)
+            x = x.T if a.transpose else x
+        if x.shape != a.shape:
+            raise ValueError(f"model folder: {a.hf_name} has shape {x.shape}, config.json implies {a.shape}")
+        arrays[name] = jnp.asarray(x, cfg.jnp_dtype)
+    if cfg.tie_word_embeddings:
+        arrays["lm_head"] = None
+    return Weights(**arrays)
+
+
+def save_hf(path: str, cfg: ModelConfig, weights: Weights, max_shard_bytes: int | None = None) -> None:
+    """Writes ``config.json`` and safetensors (sharded with an index past ``max_shard_bytes``)."""
+    os.makedirs(path, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for name, a in describe(cfg).items():
+        x = np.asarray(jax.device_get(getattr(weights, name)))
+        if "{i}" in a.hf_name:
+            for i in range(cfg.num_layers):
+                tensors[a.hf_name.format(i=i)] = np.ascontiguousarray(x[i].T if a.transpose else x[i])
+        else:
+            tensors[a.hf_name] = np.ascontiguousarray(x.T if a.transpose else x)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_config(), f, indent=2)
+    if max_shard_bytes is None:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        if shards[-1] and size + v.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += v.nbytes
+    weight_map = {}
+    for n, shard in enumerate(shards):
+        fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)

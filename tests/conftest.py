@@ -1,0 +1,36 @@
+"""Shared fixtures: a per-run compilation cache, and small HF model folders built from a seed."""
+
+import os
+import tempfile
+
+import jax
+import pytest
+
+_CACHE_DIR = tempfile.mkdtemp(prefix="sfjax-jit-cache-")
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+from sfjax import toy  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_folder(tmp_path_factory):
+    """``model_folder(cfg, seed=0, **kw)`` builds (once per arguments) and returns an HF folder."""
+    built = {}
+
+    def make(cfg=None, seed=0, **kw):
+        cfg = cfg or toy.tiny_config()
+        key = (cfg, seed, tuple(sorted(kw.items())))
+        if key not in built:
+            path = str(tmp_path_factory.mktemp("model"))
+            built[key] = toy.build_model_folder(path, cfg, seed=seed, **kw)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(model_folder):
+    """The default tiny test model: vocab 512, 2 layers, GQA 4/2, float32."""
+    return model_folder(toy.tiny_config(), seed=0, std=0.1)
