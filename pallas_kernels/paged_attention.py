@@ -6,7 +6,7 @@ k+1 tokens of a speculative verify are all the same thing here: rows with positi
 
 Row invariance (the exactness contract, DESIGN §1.2): a row's output bits must not depend on the
 rows around it or on how many there are. So rows are processed in fixed tiles of ``row_tile``
-(one compiled tile shape, ``lax.map`` over tiles), and keys in fixed chunks of ``KEY_CHUNK`` in
+(``pallas_kernels.rows.per_tile``), and keys in fixed chunks of ``KEY_CHUNK`` in
 ascending order with an online softmax. A chunk past a row's position changes nothing exactly
 (alpha = exp(0) = 1, p = 0), so the number of chunks a tile needs (its longest row) and the
 block size of the pages do not reach a row's bits.
@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.rows import num_tiles_of, per_tile
+
 KEY_CHUNK = 64
 
 
-def _tile(args, *, k_cache, v_cache, layer, block_tables, sm_scale):
+def _tile(q, positions, slots, *, k_cache, v_cache, layer, block_tables, sm_scale):
     """One tile of rows. q [T, KVH, G, D]; positions, slots [T]; caches [L, blocks, bs, KVH, D]."""
-    q, positions, slots = args
     t, kvh, g, d = q.shape
     block_size = k_cache.shape[2]
     tables = block_tables[jnp.maximum(slots, 0)]                      # [T, max_blocks]
@@ -38,9 +39,10 @@ def _tile(args, *, k_cache, v_cache, layer, block_tables, sm_scale):
         page = jnp.take(tables, kpos // block_size, axis=1, mode="clip")  # [T, C]
         off = jnp.broadcast_to(kpos % block_size, page.shape)
         k = k_cache[layer, page, off].astype(jnp.float32)              # [T, C, KVH, D]
-        v = v_cache[layer, page, off].astype(jnp.float32)
-        s = jnp.einsum("tkgd,tckd->tkgc", q, k) * sm_scale
         valid = kpos[None, :] <= positions[:, None]                    # [T, C]
+        # masked keys must not reach the output even as NaN (0 * NaN is NaN): zero their V
+        v = jnp.where(valid[..., None, None], v_cache[layer, page, off].astype(jnp.float32), 0.0)
+        s = jnp.einsum("tkgd,tckd->tkgc", q, k) * sm_scale
         s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -72,12 +74,12 @@ def paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots, p
     Returns:
       [N, heads, head_dim] float32.
     """
+    q, k_cache, v_cache, block_tables, slots, positions = map(
+        jnp.asarray, (q, k_cache, v_cache, block_tables, slots, positions))
     n, h, d = q.shape
     kvh = k_cache.shape[3]
-    if n % row_tile:
-        raise ValueError(f"query rows ({n}) must be a multiple of row_tile ({row_tile})")
     tile = functools.partial(_tile, k_cache=k_cache, v_cache=v_cache, layer=layer,
                              block_tables=block_tables, sm_scale=sm_scale)
-    qt = q.reshape(n // row_tile, row_tile, kvh, h // kvh, d)
-    out = lax.map(tile, (qt, positions.reshape(-1, row_tile), slots.reshape(-1, row_tile)))
+    out = per_tile(tile, row_tile, num_tiles_of(positions >= 0, row_tile),
+                   q.reshape(n, kvh, h // kvh, d), positions, slots)
     return out.reshape(n, h, d)

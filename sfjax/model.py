@@ -2,7 +2,7 @@
 
 A call processes N query rows (N a multiple of ``row_tile``): prefill chunks, decode tokens and
 verify tokens of many sequences alike, each row with its slot and position. Every dense op runs
-per fixed tile of ``row_tile`` rows (``lax.map``), so a row's bits never depend on N or on the
+per fixed tile of ``row_tile`` rows (``per_tile``), so a row's bits never depend on N or on the
 other rows: XLA's GEMMs pick their code path by M, and a plain ``x @ W`` is not batch-invariant
 (measured on XLA:CPU: M = 1 and M = 8 differ by 1.7e-6). Attention is row-invariant by
 construction (pallas_kernels/paged_attention.py).
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.rows import num_tiles_of, per_tile
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, rope_frequencies
 from sfjax.weights import Weights
@@ -36,14 +37,6 @@ def rope(x, positions, inv_freq):
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
-
-
-def per_tile(fn, row_tile: int, *xs):
-    """Applies ``fn`` to fixed tiles of ``row_tile`` rows; the tile shape is the only one compiled."""
-    n = xs[0].shape[0]
-    tiles = [x.reshape(n // row_tile, row_tile, *x.shape[1:]) for x in xs]
-    out = lax.map(lambda t: fn(*t), tiles)
-    return jax.tree.map(lambda o: o.reshape(n, *o.shape[2:]), out)
 
 
 def _qkv(x, positions, lw, cfg: ModelConfig, inv_freq):
@@ -83,6 +76,7 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
       (hidden [N, d], cache) with this call's K/V written.
     """
     inv_freq = rope_frequencies(cfg)
+    tiles = num_tiles_of(positions >= 0, row_tile)
     x = weights.embed[tokens]
     page, off = cache_slots(block_tables, slots, positions, cache.k.shape[2])
     layers = {f: getattr(weights, f) for f in _LAYER_FIELDS}
@@ -92,24 +86,27 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
         x, kc, vc = carry
         lw, i = xs
         q, k, v = per_tile(functools.partial(_qkv, lw=lw, cfg=cfg, inv_freq=inv_freq),
-                           row_tile, x, positions)
+                           row_tile, tiles, x, positions)
         kc = kc.at[i, page, off].set(k.astype(kc.dtype))
         vc = vc.at[i, page, off].set(v.astype(vc.dtype))
         attn = paged_attention_reference(q, kc, vc, i, block_tables, slots, positions,
                                          sm_scale=sm_scale, row_tile=row_tile)
-        x = per_tile(functools.partial(_out_and_mlp, lw=lw, cfg=cfg), row_tile, x, attn)
+        x = per_tile(functools.partial(_out_and_mlp, lw=lw, cfg=cfg), row_tile, tiles, x, attn)
         return (x, kc, vc), None
 
     (x, k, v), _ = lax.scan(layer, (x, cache.k, cache.v), (layers, jnp.arange(cfg.num_layers)))
     return x, KVCache(k=k, v=v)
 
 
-def logits(weights: Weights, hidden, cfg: ModelConfig, row_tile: int = 8):
-    """Final norm and LM head, per tile; float32 [R, vocab]."""
+def logits(weights: Weights, hidden, cfg: ModelConfig, row_tile: int = 8, num_rows=None):
+    """Final norm and LM head, per tile; float32 [R, vocab]. Rows past ``num_rows`` (traced;
+    default all) are skipped by whole tiles and come out zero."""
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
 
     def fn(h):
         h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
         return jnp.dot(h, head, preferred_element_type=jnp.float32)
 
-    return per_tile(fn, row_tile, hidden)
+    n = hidden.shape[0]
+    rows = jnp.arange(n) < (n if num_rows is None else num_rows)
+    return per_tile(fn, row_tile, num_tiles_of(rows, row_tile), hidden)

@@ -23,6 +23,7 @@ class StepBatch:
     slots: jax.Array         # int32 [N]; -1 for padding
     block_tables: jax.Array  # int32 [max_seqs, max_blocks]
     logit_rows: jax.Array    # int32 [R] rows of N whose next token is drawn (padding: 0)
+    num_logit_rows: jax.Array  # int32 scalar: the real ones come first
     sampling: sampling.SamplingBatch
 
 
@@ -32,5 +33,5 @@ def model_step(weights: Weights, cache: KVCache, batch: StepBatch, *, cfg: Model
     """Runs one step. DONATES ``cache``. Returns (cache, tokens int32 [R], logits f32 [R, V])."""
     hidden, cache = model.forward(weights, cache, batch.tokens, batch.positions, batch.slots,
                                   batch.block_tables, cfg, row_tile)
-    logits = model.logits(weights, hidden[batch.logit_rows], cfg, row_tile)
+    logits = model.logits(weights, hidden[batch.logit_rows], cfg, row_tile, batch.num_logit_rows)
     return cache, sampling.sample(logits, batch.sampling), logits

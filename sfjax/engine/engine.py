@@ -212,6 +212,7 @@ class Engine:
                 j += 1
         batch = StepBatch(tokens=tokens, positions=positions, slots=slots,
                           block_tables=self.block_tables.copy(), logit_rows=logit_rows,
+                          num_logit_rows=np.int32(len(drawing)),
                           sampling=sampling.SamplingBatch(temperature=temperature, key_data=key_data,
                                                           position=out_pos, suppress=suppress))
         return batch, drawing

@@ -1,0 +1,46 @@
+"""Fixed row tiles: the one loop every row-invariant op runs in.
+
+XLA compiles an op differently by its shape (a GEMM picks its code path by M) and by what it is
+fused with (the same elementwise math gave different last bits in two fusions on XLA:CPU). A row
+keeps its bits only if it is always computed by the same compiled loop body on a tile of the same
+shape. ``per_tile`` makes that so:
+- the body sees one tile of ``row_tile`` rows, whatever N is;
+- the trip count is a runtime value, so XLA can neither unroll the loop nor drop it when N is one
+  tile (it would then fuse the body with its neighbours);
+- the tile buffers carry one spare tile, so a one-tile buffer's dynamic slice is never proven
+  loop-invariant and hoisted out of the loop.
+The runtime count also skips tiles that are all padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def per_tile(fn, row_tile: int, num_tiles, *xs):
+    """``fn`` over the first ``num_tiles`` (traced int32) tiles of ``row_tile`` rows of each x.
+
+    xs: arrays [N, ...] with N a multiple of ``row_tile``. Rows of skipped tiles come out zero.
+    """
+    n = xs[0].shape[0]
+    if n % row_tile:
+        raise ValueError(f"rows ({n}) must be a multiple of row_tile ({row_tile})")
+    tiles = [jnp.concatenate([x.reshape(n // row_tile, row_tile, *x.shape[1:]),
+                              jnp.zeros((1, row_tile, *x.shape[1:]), x.dtype)]) for x in xs]
+    shapes = jax.eval_shape(fn, *[t[0] for t in tiles])
+    out = jax.tree.map(lambda s: jnp.zeros((n // row_tile + 1, *s.shape), s.dtype), shapes)
+
+    def body(i, out):
+        y = fn(*[t[i] for t in tiles])
+        return jax.tree.map(lambda o, v: o.at[i].set(v), out, y)
+
+    out = lax.fori_loop(0, jnp.minimum(num_tiles, n // row_tile), body, out)
+    return jax.tree.map(lambda o: o[:-1].reshape(n, *o.shape[2:]), out)
+
+
+def num_tiles_of(valid_rows, row_tile: int):
+    """Tiles up to the last valid row: ceil((last valid index + 1) / row_tile), traced int32."""
+    last = jnp.max(jnp.where(valid_rows, jnp.arange(1, valid_rows.shape[0] + 1), 0))
+    return (last + row_tile - 1) // row_tile

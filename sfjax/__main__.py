@@ -1,0 +1,5 @@
+import sys
+
+from sfjax.cli import main
+
+sys.exit(main())

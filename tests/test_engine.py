@@ -1,0 +1,190 @@
+"""The engine end to end on a tiny model: batching, block sizes, stops, preemption, bad input."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from sfjax import LLM, SamplingParams, toy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n, seed=0, lo=2, hi=40):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(2, 512, rng.integers(lo, hi)).tolist()} for _ in range(n)]
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_folder):
+    return LLM(tiny_folder, max_num_seqs=32, max_model_len=256)
+
+
+def test_alone_equals_inside_a_batch_of_32(llm):
+    prompts = _prompts(32, seed=1)
+    batch = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    for i in (0, 13, 31):
+        assert _ids(llm.generate(prompts[i], GREEDY, use_tqdm=False))[0] == batch[i]
+    seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True) for i in range(32)]
+    batch = _ids(llm.generate(prompts, seeded, use_tqdm=False))
+    for i in (0, 31):
+        assert _ids(llm.generate(prompts[i], seeded[i], use_tqdm=False))[0] == batch[i]
+    assert len({tuple(b) for b in batch}) == 32
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_block_sizes_give_identical_outputs(llm, tiny_folder, block_size):
+    prompts = _prompts(6, seed=2, hi=70)
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)]
+    ref = [_ids(llm.generate(prompts, p, use_tqdm=False)) for p in params]
+    other = LLM(tiny_folder, block_size=block_size, max_num_seqs=8, max_model_len=256)
+    assert [_ids(other.generate(prompts, p, use_tqdm=False)) for p in params] == ref
+
+
+def test_requests_join_while_others_decode(llm):
+    prompts = _prompts(5, seed=3)
+    alone = [_ids(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in prompts]
+    eng = llm.engine
+    got = {}
+    for i, p in enumerate(prompts):
+        eng.add_request(f"join-{i}", p, GREEDY)
+        for _ in range(3):                       # others decode before the next one arrives
+            for out in eng.step():
+                if out.finished:
+                    got[out.request_id] = out.outputs[0].token_ids
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+    assert [got[f"join-{i}"] for i in range(5)] == alone
+
+
+def test_chunked_prefill_and_preemption_keep_outputs(tiny_folder, llm):
+    prompts = _prompts(8, seed=4, lo=30, hi=60)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _ids(llm.generate(prompts, params, use_tqdm=False))
+    # 14 blocks of 8 tokens cannot hold 8 sequences of ~90 tokens: requests get preempted
+    small = LLM(tiny_folder, block_size=8, num_kv_blocks=15, max_num_seqs=8,
+                max_num_batched_tokens=16, max_model_len=128)
+    assert _ids(small.generate(prompts, params, use_tqdm=False)) == ref
+    assert small.engine.stats["preemptions"] > 0
+    assert small.engine.allocator.num_free == 14
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = _prompts(1, seed=5)[0]
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop = base[4]
+    first = base.index(stop)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                              stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    # before min_tokens the stop token cannot be drawn at all
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=first + 3,
+                                              stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    assert stop not in out.token_ids[:first + 3]
+    assert len(out.token_ids) >= first + 3
+
+
+def test_eos_from_generation_config_ends_the_sequence(tiny_folder, tmp_path, llm):
+    prompt = _prompts(1, seed=6)[0]
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    eos = base[3]
+    folder = shutil.copytree(tiny_folder, tmp_path / "m")
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [eos]}, f)
+    other = LLM(folder, max_num_seqs=4, max_model_len=256)
+    out = other.generate(prompt, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[:base.index(eos) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    out = other.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base and out.finish_reason == "length"
+
+
+def test_max_model_len_ends_with_length(llm):
+    out = llm.generate({"prompt_token_ids": [5] * 250}, SamplingParams(temperature=0, max_tokens=6),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_blocks_are_freed_when_requests_finish_or_abort(llm):
+    eng = llm.engine
+    total = eng.allocator.num_free
+    llm.generate(_prompts(4, seed=7), GREEDY, use_tqdm=False)
+    assert eng.allocator.num_free == total
+    eng.add_request("to-abort", _prompts(1, seed=8)[0], GREEDY)
+    eng.step()
+    assert eng.allocator.num_free < total
+    eng.abort("to-abort")
+    assert eng.allocator.num_free == total and not eng.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ({"prompt_token_ids": [3] * 300}, GREEDY, "max_model_len"),
+    ({"prompt_token_ids": []}, GREEDY, "empty"),
+    ({"prompt_token_ids": [9999]}, GREEDY, "vocabulary"),
+    ({"prompt_token_ids": [3] * 250}, SamplingParams(max_tokens=10), "max_tokens"),
+    (12, GREEDY, "prompt must be"),
+])
+def test_bad_requests_are_refused_and_nothing_else_is_lost(llm, prompt, params, match):
+    good = _prompts(2, seed=9)
+    ref = _ids(llm.generate(good, GREEDY, use_tqdm=False))
+    with pytest.raises(ValueError, match=match):
+        llm.generate([good[0], prompt, good[1]], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    eng = llm.engine
+    eng.add_request("keep-0", good[0], GREEDY)
+    with pytest.raises(ValueError, match=match):
+        eng.add_request("bad", prompt, params)
+    eng.add_request("keep-1", good[1], GREEDY)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert [done["keep-0"], done["keep-1"]] == ref
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_model_folders(tmp_path, tiny_folder):
+    with pytest.raises(ValueError, match="not a folder"):
+        LLM(str(tmp_path / "missing"))
+    broken = shutil.copytree(tiny_folder, tmp_path / "broken")
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(str(broken))
+    other = shutil.copytree(tiny_folder, tmp_path / "gpt2")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        LLM(str(other))
+    noweights = shutil.copytree(tiny_folder, tmp_path / "noweights")
+    os.remove(noweights / "model.safetensors")
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(noweights))
+
+
+def test_text_is_the_decode_of_the_tokens(llm):
+    tok = llm.get_tokenizer()
+    outs = llm.generate(["def fib(n):", "The quick brown fox"], GREEDY, use_tqdm=False)
+    for o in outs:
+        assert o.prompt_token_ids == tok.encode(o.prompt).ids
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
