@@ -124,9 +124,11 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
             else self.eos_token_ids[0],
         }
-        if self.rope_scaling is not None:
-            rs = dataclasses.asdict(self.rope_scaling)
-            out["rope_scaling"] = {"rope_type": rs.pop("rope_type"), **rs}
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "linear":
+            out["rope_scaling"] = {"rope_type": "linear", "factor": rs.factor}
+        elif rs is not None:
+            out["rope_scaling"] = dataclasses.asdict(rs)
         return out
 
     def num_params(self) -> int:

@@ -1,0 +1,363 @@
+"""HF transformers (torch, float32) as the oracle for sfjax's model, loader, engine and tokenizer.
+
+Every model here is a folder written by ``sfjax.toy.build_model_folder``; HF loads the very same
+files with ``LlamaForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+
+Measured on XLA:CPU / torch CPU (float32), for the record:
+  teacher-forced logits, 200 tokens, 5 configs: max |sfjax - HF| 2.6e-6 .. 4.9e-6 (bound 1e-4);
+  bfloat16 folder, 200 tokens, logit std 0.79: max |sfjax bf16 - HF bf16| 0.061 (0.077 std),
+  max |sfjax bf16 - sfjax f32| 0.043 (0.055 std), max |HF bf16 - HF f32| 0.048 (bound 0.15 std);
+  the f32 runs of those bf16 weights agree to 2.8e-6;
+  greedy trajectories: smallest top1 - top2 margin 2.8e-3 (precondition > 1e-3); the 64-token
+  trajectories hold 7 special tokens (0/1), so skip_special_tokens is exercised in the text.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from sfjax import LLM, SamplingParams, model, toy
+from sfjax import weights as W
+from sfjax.cache import KVCache
+from sfjax.config import ModelConfig, RopeScaling
+
+PARITY_TOL = 1e-4          # float32 sfjax vs float32 HF, max abs over all logits
+MIN_LOGIT_STD = 0.1        # every row's logits must spread at least this much (so the test can fail)
+MIN_MARGIN = 1e-3          # top1 - top2 along a greedy trajectory: equality is meaningful above it
+BF16_TOL = 0.15            # bf16 vs bf16 / f32, as a fraction of the logit std (measured ~0.07)
+SEQ_LEN = 200              # well past the llama3 original_max_position_embeddings (64)
+
+LLAMA3 = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=64)
+LINEAR = RopeScaling("linear", factor=4.0)
+
+# All share tiny_config's shapes except where named, so one seed gives the same arrays in each.
+CONFIGS = {
+    "mha": toy.tiny_config(num_kv_heads=4),
+    "gqa": toy.tiny_config(),                      # 4 heads / 2 kv heads
+    "tied": toy.tiny_config(tie_word_embeddings=True),
+    "llama3": toy.tiny_config(rope_scaling=LLAMA3),
+    "linear": toy.tiny_config(rope_scaling=LINEAR),
+}
+PARITY_SEED, PARITY_STD = 1, 0.1
+
+# The greedy model: std / seed picked so every top-1 along the trajectories is clear (see above).
+GREEDY_SEED, GREEDY_STD = 1, 0.3
+GREEDY_PROMPT_LENS = (3, 7, 12, 18, 24, 29, 35, 40)
+GREEDY_NEW_TOKENS = 64
+GREEDY_PROMPT_SEED = 200        # prompt i draws from seed 200 + i
+
+TEXT_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    if n < 2:",
+    "Once upon a time there was",
+    "naïve café ☕ 日本語 — unicode",
+    "x",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "row_tile"))
+def _paged_logits(weights, cache, tokens, positions, slots, block_tables, *, cfg, row_tile):
+    hidden, cache = model.forward(weights, cache, tokens, positions, slots, block_tables, cfg,
+                                  row_tile)
+    return model.logits(weights, hidden, cfg, row_tile), cache
+
+
+def sfjax_logits(folder: str, ids, dtype: str = "auto", chunks=(), block_size: int = 16,
+                 row_tile: int = 8, page_seed: int = 0) -> np.ndarray:
+    """Teacher-forced logits float32 [T, vocab] of one sequence through the paged forward.
+
+    The sequence sits in slot 1 of a two-slot block table, on pages drawn in shuffled order from a
+    pool twice the size it needs, and is prefilled in calls that end at each of ``chunks`` (later
+    calls read the K/V earlier calls wrote). Padding rows (slot -1) fill each call to ``row_tile``.
+    """
+    cfg = ModelConfig.from_folder(folder, dtype)
+    weights = W.load_hf(folder, cfg)
+    ids = np.asarray(ids, np.int32)
+    t = len(ids)
+    nb = -(-t // block_size)
+    pages = np.random.default_rng(page_seed).permutation(np.arange(1, 2 * nb + 1))[:nb]
+    cache = KVCache.zeros(cfg, 2 * nb + 1, block_size)
+    block_tables = np.zeros((2, nb), np.int32)
+    block_tables[1] = pages
+    out = []
+    bounds = [0, *chunks, t]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        n = end - start
+        rows = -(-n // row_tile) * row_tile
+        tokens = np.zeros(rows, np.int32)
+        positions = np.full(rows, -1, np.int32)
+        slots = np.full(rows, -1, np.int32)
+        tokens[:n], positions[:n], slots[:n] = ids[start:end], np.arange(start, end), 1
+        lg, cache = _paged_logits(weights, cache, tokens, positions, slots, block_tables,
+                                  cfg=cfg, row_tile=row_tile)
+        out.append(np.asarray(lg)[:n])
+    return np.concatenate(out)
+
+
+def hf_logits(hf_model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF greedy continuation of one prompt, EOS disabled (it must run to ``new_tokens``)."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]),
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                                pad_token_id=0)
+    gen = out[0, len(prompt):].tolist()
+    assert len(gen) == new_tokens, f"HF stopped after {len(gen)} tokens"
+    return gen
+
+
+def top2_margins(logits: np.ndarray) -> np.ndarray:
+    top = np.sort(logits, axis=-1)[:, -2:]
+    return top[:, 1] - top[:, 0]
+
+
+def trajectory_logits(hf_model, prompt: list[int], generated: list[int]) -> np.ndarray:
+    """HF's logits at each step of a greedy trajectory: row i predicts generated[i]."""
+    return hf_logits(hf_model, prompt + generated)[len(prompt) - 1:-1]
+
+
+def random_ids(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return np.random.default_rng(seed).integers(2, vocab, n).tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """``hf_model(folder, dtype)``: ``LlamaForCausalLM.from_pretrained``, loaded once per module."""
+    loaded = {}
+
+    def load(folder: str, dtype=torch.float32):
+        if (folder, dtype) not in loaded:
+            m = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
+            loaded[folder, dtype] = m.eval()
+        return loaded[folder, dtype]
+
+    return load
+
+
+@pytest.fixture(scope="module")
+def parity_ids():
+    return random_ids(SEQ_LEN, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# a. teacher-forced logits
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_teacher_forced_logits_match_hf(name, model_folder, hf_model, parity_ids):
+    cfg = CONFIGS[name]
+    folder = model_folder(cfg, seed=PARITY_SEED, std=PARITY_STD)
+    hf = hf_model(folder)
+    assert hf.config.num_key_value_heads == cfg.num_kv_heads
+    assert hf.config.tie_word_embeddings == cfg.tie_word_embeddings
+    if cfg.tie_word_embeddings:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+
+    ref = hf_logits(hf, parity_ids)
+    got = sfjax_logits(folder, parity_ids)
+    assert got.shape == ref.shape == (SEQ_LEN, cfg.vocab_size)
+    assert got.dtype == np.float32
+    assert ref.std(axis=-1).min() > MIN_LOGIT_STD
+    diff = np.abs(got - ref).max()
+    assert diff <= PARITY_TOL, f"{name}: max |sfjax - HF| = {diff:.3g}"
+
+
+def test_chunked_prefill_on_small_pages_matches_hf(model_folder, hf_model, parity_ids):
+    """The same sequence prefilled over five calls (77, 73, 1, 1, 48 rows) on 4-token pages:
+    K/V written by earlier calls is read back through the block table."""
+    folder = model_folder(CONFIGS["llama3"], seed=PARITY_SEED, std=PARITY_STD)
+    ref = hf_logits(hf_model(folder), parity_ids)
+    got = sfjax_logits(folder, parity_ids, chunks=(77, 150, 151, 152), block_size=4, page_seed=3)
+    diff = np.abs(got - ref).max()
+    assert diff <= PARITY_TOL, f"max |sfjax chunked - HF| = {diff:.3g}"
+    # row invariance (model.py): chunking and page size do not reach a row's bits
+    np.testing.assert_array_equal(got, sfjax_logits(folder, parity_ids))
+
+
+@pytest.mark.parametrize("name", ["llama3", "linear"])
+def test_rope_scaling_matters_past_original_context(name, model_folder, hf_model, parity_ids):
+    """The scaled and unscaled folders hold the same arrays (same seed and shapes): their logits
+    must differ clearly past position 64, in sfjax and in HF, or the parity above proves nothing
+    about the scaling."""
+    scaled = model_folder(CONFIGS[name], seed=PARITY_SEED, std=PARITY_STD)
+    plain = model_folder(CONFIGS["gqa"], seed=PARITY_SEED, std=PARITY_STD)
+    for a, b in [(sfjax_logits(scaled, parity_ids), sfjax_logits(plain, parity_ids)),
+                 (hf_logits(hf_model(scaled), parity_ids), hf_logits(hf_model(plain), parity_ids))]:
+        assert np.abs(a[64:] - b[64:]).max() > 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# b, c. greedy generation and text
+
+
+@pytest.fixture(scope="module")
+def greedy_folder(model_folder):
+    return model_folder(toy.tiny_config(), seed=GREEDY_SEED, std=GREEDY_STD)
+
+
+@pytest.fixture(scope="module")
+def greedy_llm(greedy_folder):
+    return LLM(greedy_folder, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def greedy_prompts():
+    return [random_ids(n, seed=GREEDY_PROMPT_SEED + i) for i, n in enumerate(GREEDY_PROMPT_LENS)]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy_runs(greedy_folder, hf_model, greedy_prompts):
+    """Per prompt: (HF's greedy tokens, HF's logits along that trajectory)."""
+    hf = hf_model(greedy_folder)
+    runs = []
+    for p in greedy_prompts:
+        gen = hf_greedy(hf, p, GREEDY_NEW_TOKENS)
+        runs.append((gen, trajectory_logits(hf, p, gen)))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def sfjax_greedy_outputs(greedy_llm, greedy_prompts):
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_NEW_TOKENS, ignore_eos=True)
+    return greedy_llm.generate([{"prompt_token_ids": p} for p in greedy_prompts], params,
+                               use_tqdm=False)
+
+
+def test_greedy_precondition_top1_margins_are_clear(hf_greedy_runs):
+    """Why token equality is a fair demand: at every step HF's top-1 leads its top-2 by more than
+    float32 noise can close, and the trajectory is HF's own argmax (not a tie broken by chance)."""
+    for gen, lg in hf_greedy_runs:
+        assert lg.argmax(-1).tolist() == gen
+        assert lg.std(axis=-1).min() > MIN_LOGIT_STD
+        assert top2_margins(lg).min() > MIN_MARGIN
+    # not a degenerate loop of one token
+    assert all(len(set(gen)) > GREEDY_NEW_TOKENS // 2 for gen, _ in hf_greedy_runs)
+
+
+def test_greedy_tokens_match_hf(sfjax_greedy_outputs, hf_greedy_runs, greedy_prompts):
+    assert len(sfjax_greedy_outputs) == len(greedy_prompts)
+    for i, (out, p, (gen, _)) in enumerate(zip(sfjax_greedy_outputs, greedy_prompts, hf_greedy_runs)):
+        assert out.prompt_token_ids == p
+        assert out.finished
+        c = out.outputs[0]
+        assert c.finish_reason == "length"
+        assert c.token_ids == gen, f"prompt {i} (len {len(p)}): sfjax and HF greedy differ"
+
+
+def test_output_text_matches_hf_decode(sfjax_greedy_outputs, greedy_folder):
+    tok = transformers.AutoTokenizer.from_pretrained(greedy_folder)
+    for out in sfjax_greedy_outputs:
+        ids = out.outputs[0].token_ids
+        assert out.outputs[0].text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_string_prompts_encode_generate_and_decode_like_hf(greedy_llm, greedy_folder, hf_model):
+    tok = transformers.AutoTokenizer.from_pretrained(greedy_folder)
+    hf = hf_model(greedy_folder)
+    n = 16
+    outs = greedy_llm.generate(TEXT_PROMPTS, SamplingParams(temperature=0, max_tokens=n,
+                                                            ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(TEXT_PROMPTS, outs):
+        ids = tok(prompt).input_ids
+        assert ids[0] == tok.bos_token_id == 0                 # the BOS is prepended
+        assert out.prompt == prompt
+        assert out.prompt_token_ids == ids
+        gen = hf_greedy(hf, ids, n)
+        assert top2_margins(trajectory_logits(hf, ids, gen)).min() > MIN_MARGIN  # precondition
+        assert out.outputs[0].token_ids == gen
+        assert out.outputs[0].text == tok.decode(gen, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# d. bfloat16
+
+
+def test_bfloat16_folder_matches_hf_bf16_and_own_float32(model_folder, hf_model, parity_ids):
+    folder = model_folder(toy.tiny_config(dtype="bfloat16"), seed=PARITY_SEED, std=PARITY_STD)
+    cfg = ModelConfig.from_folder(folder)
+    assert cfg.dtype == "bfloat16"
+    assert W.load_hf(folder, cfg).wq.dtype == jax.numpy.bfloat16
+
+    sf16 = sfjax_logits(folder, parity_ids)                     # "auto": bfloat16
+    sf32 = sfjax_logits(folder, parity_ids, dtype="float32")    # the same values, upcast
+    hf16 = hf_logits(hf_model(folder, torch.bfloat16), parity_ids)
+    hf32 = hf_logits(hf_model(folder, torch.float32), parity_ids)
+    scale = hf32.std()
+    assert hf32.std(axis=-1).min() > MIN_LOGIT_STD
+
+    assert np.abs(sf32 - hf32).max() <= PARITY_TOL             # exact parity on bf16 weights
+    assert np.abs(sf16 - hf16).max() <= BF16_TOL * scale
+    assert np.abs(sf16 - sf32).max() <= BF16_TOL * scale
+    assert np.abs(sf16 - sf32).max() > 0                        # it really ran in bfloat16
+    assert (sf16.argmax(-1) == hf16.argmax(-1)).mean() >= 0.9
+
+    # the engine serves the folder in bfloat16 too: its greedy first token is the argmax of the
+    # same row of the paged forward above (the same bits, so no margin is needed)
+    llm = LLM(folder, max_num_seqs=1, max_model_len=64)
+    assert llm.model_config.dtype == "bfloat16"
+    out = llm.generate({"prompt_token_ids": parity_ids[:40]},
+                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [int(sf16[39].argmax())]
+
+
+# ---------------------------------------------------------------------------------------------
+# e. sharded safetensors
+
+
+def test_sharded_folder_loads_like_single_file(model_folder, tiny_folder, hf_model, parity_ids):
+    cfg = toy.tiny_config()
+    sharded = model_folder(cfg, seed=0, std=0.1, max_shard_bytes=64 * 1024)
+    files = os.listdir(sharded)
+    shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert len(shards) >= 3
+
+    a, b = W.load_hf(tiny_folder, cfg), W.load_hf(sharded, cfg)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    single, split = sfjax_logits(tiny_folder, parity_ids), sfjax_logits(sharded, parity_ids)
+    np.testing.assert_array_equal(single, split)
+
+    hf_single, hf_split = hf_logits(hf_model(tiny_folder), parity_ids), hf_logits(hf_model(sharded), parity_ids)
+    np.testing.assert_array_equal(hf_single, hf_split)
+    assert np.abs(split - hf_split).max() <= PARITY_TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# f. full-size shapes (random weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_cfg", [toy.llama_68m_config, toy.llama_160m_config],
+                         ids=["llama-68m", "llama-160m"])
+def test_aphrodite_shaped_models_generate_like_hf(make_cfg, model_folder):
+    cfg = make_cfg()
+    folder = model_folder(cfg, seed=0)
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = [random_ids(n, seed=i, vocab=cfg.vocab_size) for i, n in enumerate((5, 23))]
+    llm = LLM(folder, max_num_seqs=2, max_model_len=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        gen = hf_greedy(hf, p, 16)
+        margins = top2_margins(trajectory_logits(hf, p, gen))
+        assert margins.min() > MIN_MARGIN                   # precondition, every step
+        assert out.outputs[0].token_ids[0] == gen[0]
+        assert out.outputs[0].token_ids == gen
