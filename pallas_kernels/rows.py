@@ -22,18 +22,20 @@ from jax import lax
 def per_tile(fn, row_tile: int, num_tiles, *xs):
     """``fn`` over the first ``num_tiles`` (traced int32) tiles of ``row_tile`` rows of each x.
 
-    xs: arrays [N, ...] with N a multiple of ``row_tile``. Rows of skipped tiles come out zero.
+    xs: pytrees of arrays [N, ...] with N a multiple of ``row_tile``; ``fn`` gets the same trees
+    with [row_tile, ...] leaves and may return a pytree. Rows of skipped tiles come out zero.
     """
-    n = xs[0].shape[0]
+    n = jax.tree.leaves(xs)[0].shape[0]
     if n % row_tile:
         raise ValueError(f"rows ({n}) must be a multiple of row_tile ({row_tile})")
-    tiles = [jnp.concatenate([x.reshape(n // row_tile, row_tile, *x.shape[1:]),
-                              jnp.zeros((1, row_tile, *x.shape[1:]), x.dtype)]) for x in xs]
-    shapes = jax.eval_shape(fn, *[t[0] for t in tiles])
+    tiles = jax.tree.map(lambda x: jnp.concatenate([
+        x.reshape(n // row_tile, row_tile, *x.shape[1:]),
+        jnp.zeros((1, row_tile, *x.shape[1:]), x.dtype)]), xs)
+    shapes = jax.eval_shape(fn, *jax.tree.map(lambda t: t[0], tiles))
     out = jax.tree.map(lambda s: jnp.zeros((n // row_tile + 1, *s.shape), s.dtype), shapes)
 
     def body(i, out):
-        y = fn(*[t[i] for t in tiles])
+        y = fn(*jax.tree.map(lambda t: t[i], tiles))
         return jax.tree.map(lambda o, v: o.at[i].set(v), out, y)
 
     out = lax.fori_loop(0, jnp.minimum(num_tiles, n // row_tile), body, out)

@@ -6,14 +6,22 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    """A token's logprob (of the raw model logits), its 1-based rank, and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[dict[int, Logprob]] | None = None   # per output position
     finish_reason: str | None = None       # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None   # the stop token id that ended it (None for EOS)
+    stop_reason: int | str | None = None   # the stop token id or string (None for EOS/length)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -36,4 +44,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # [None, then per token]
     new_token_ids: list[int] = dataclasses.field(default_factory=list)  # this step's tokens

@@ -16,22 +16,40 @@ from sfjax.weights import Weights
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class DeviceState:
+    """What lives on the device between steps (donated through each step)."""
+    cache: KVCache
+    history: jax.Array       # int32 [max_seqs, max_model_len]: each slot's tokens by position
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class StepBatch:
     """What the host plans for one step. N and R are padded to shape buckets."""
-    tokens: jax.Array        # int32 [N]
-    positions: jax.Array     # int32 [N]; -1 for padding
-    slots: jax.Array         # int32 [N]; -1 for padding
-    block_tables: jax.Array  # int32 [max_seqs, max_blocks]
-    logit_rows: jax.Array    # int32 [R] rows of N whose next token is drawn (padding: 0)
+    tokens: jax.Array          # int32 [N]
+    positions: jax.Array       # int32 [N]; -1 for padding
+    slots: jax.Array           # int32 [N]; -1 for padding
+    block_tables: jax.Array    # int32 [max_seqs, max_blocks]
+    logit_rows: jax.Array      # int32 [R] rows of N whose logits are taken (padding: 0)
     num_logit_rows: jax.Array  # int32 scalar: the real ones come first
+    with_logprobs: jax.Array   # bool scalar: compute raw logprobs this step
     sampling: sampling.SamplingBatch
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "row_tile"), donate_argnames=("cache",))
-def model_step(weights: Weights, cache: KVCache, batch: StepBatch, *, cfg: ModelConfig,
+def record_tokens(history, slots, positions, tokens):
+    """Writes each valid row's token at (slot, position); padding rows are dropped."""
+    valid = (slots >= 0) & (positions >= 0)
+    return history.at[jnp.where(valid, slots, history.shape[0]), positions].set(tokens, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "row_tile"), donate_argnames=("state",))
+def model_step(weights: Weights, state: DeviceState, batch: StepBatch, *, cfg: ModelConfig,
                row_tile: int):
-    """Runs one step. DONATES ``cache``. Returns (cache, tokens int32 [R], logits f32 [R, V])."""
-    hidden, cache = model.forward(weights, cache, batch.tokens, batch.positions, batch.slots,
+    """Runs one step. DONATES ``state``. Returns (state, Drawn [R])."""
+    history = record_tokens(state.history, batch.slots, batch.positions, batch.tokens)
+    hidden, cache = model.forward(weights, state.cache, batch.tokens, batch.positions, batch.slots,
                                   batch.block_tables, cfg, row_tile)
     logits = model.logits(weights, hidden[batch.logit_rows], cfg, row_tile, batch.num_logit_rows)
-    return cache, sampling.sample(logits, batch.sampling), logits
+    drawn = sampling.draw(logits, batch.sampling, history, batch.num_logit_rows, row_tile,
+                          batch.with_logprobs)
+    return DeviceState(cache=cache, history=history), drawn

@@ -8,15 +8,16 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sfjax import sampling
 from sfjax.cache import KVCache, BlockAllocator, validate_block_size
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
-from sfjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from sfjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sfjax.sampling_params import SamplingParams
-from sfjax.step import StepBatch, model_step
+from sfjax.step import DeviceState, StepBatch, model_step
 from sfjax.tokenizer import IncrementalDetokenizer
 from sfjax.weights import Weights
 
@@ -45,6 +46,14 @@ class EngineConfig:
                              f"max_num_seqs ({self.max_num_seqs})")
         if self.row_tile < 1:
             raise ValueError(f"row_tile must be >= 1, got {self.row_tile}")
+
+
+def _padded(lists: list[list], r: int, fill, dtype) -> np.ndarray:
+    """[r, bucketed width] array of the lists, padded with ``fill``."""
+    out = np.full((r, _bucket(max(map(len, lists), default=1), 4)), fill, dtype)
+    for i, x in enumerate(lists):
+        out[i, :len(x)] = x
+    return out
 
 
 def _bucket(n: int, tile: int) -> int:
@@ -78,10 +87,11 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, self.block_tables, block_size=config.block_size,
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
-        self.cache = KVCache.zeros(cfg, num_blocks, config.block_size)
+        self.state = DeviceState(cache=KVCache.zeros(cfg, num_blocks, config.block_size),
+                                 history=jnp.zeros((config.max_num_seqs, max_len), jnp.int32))
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
         tokens = (num_blocks - 1) * config.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency "
                     "for %d tokens per request: %.2fx", num_blocks - 1, config.block_size, tokens,
@@ -156,9 +166,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedules, runs one device step, and returns the requests that got tokens."""
-        preempted = sum(r.num_preemptions for r in self.requests.values())
         plan = self.scheduler.schedule()
-        self.stats["preemptions"] += sum(r.num_preemptions for r in self.requests.values()) - preempted
         if not plan:
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError("the scheduler could not place any request (KV cache too small)")
@@ -167,55 +175,96 @@ class Engine:
         for s in plan:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        batch, drawing = self._build_batch(plan)
-        self.cache, tokens, _ = model_step(self.weights, self.cache, batch, cfg=self.cfg,
-                                           row_tile=self.config.row_tile)
-        tokens = np.asarray(tokens)
+        batch, meta = self._build_batch(plan)
+        self.state, drawn = model_step(self.weights, self.state, batch, cfg=self.cfg,
+                                       row_tile=self.config.row_tile)
+        drawn = jax.device_get(drawn)
         self.stats["steps"] += 1
-        outputs = []
         for s in plan:
             s.request.num_computed = s.start + s.count
-        for i, s in enumerate(drawing):
-            out = self._append(s.request, int(tokens[i]))
-            outputs.append(out)
+        outputs = []
+        for i, (req, pos) in enumerate(meta):
+            lp = self._logprob_entry(req, drawn, i, pos)
+            if pos >= 0:
+                req.prompt_logprobs.append(lp)
+            else:
+                outputs.append(self._append(req, int(drawn.tokens[i]), lp))
         return outputs
 
-    def _build_batch(self, plan: list[Scheduled]) -> tuple[StepBatch, list[Scheduled]]:
+    def _logprob_entry(self, req: Request, drawn, i: int, pos: int) -> dict[int, Logprob] | None:
+        """{token: Logprob} for the target token and the top N, or None if not asked for."""
+        n = req.params.prompt_logprobs if pos >= 0 else req.params.logprobs
+        if n is None:
+            return None
+        token = req.prompt_token_ids[pos + 1] if pos >= 0 else int(drawn.tokens[i])
+        entry = {token: Logprob(float(drawn.logprob[i]), int(drawn.rank[i]), self._piece(token))}
+        for rank, (t, v) in enumerate(zip(drawn.top_ids[i, :n], drawn.top_logprobs[i, :n]), 1):
+            entry.setdefault(int(t), Logprob(float(v), rank, self._piece(int(t))))
+        return entry
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _build_batch(self, plan: list[Scheduled]) -> tuple[StepBatch, list[tuple[Request, int]]]:
+        """Packs the plan's rows; returns the batch and, per logit row, (request, prompt position
+        whose next token's logprob it reports, or -1 for the row that draws)."""
         tile = self.config.row_tile
         n = _bucket(sum(s.count for s in plan), tile)
-        drawing = [s for s in plan if s.draws]
-        r = _bucket(max(len(drawing), 1), tile)
         tokens = np.zeros(n, np.int32)
         positions = np.full(n, -1, np.int32)
         slots = np.full(n, -1, np.int32)
-        logit_rows = np.zeros(r, np.int32)
-        temperature = np.zeros(r, np.float32)
-        key_data = np.zeros((r, 2), np.uint32)
-        out_pos = np.zeros(r, np.int32)
-        suppressed = [self._suppressed(s.request) for s in drawing]
-        suppress = np.full((r, _bucket(max(map(len, suppressed), default=1), 4)), -1, np.int32)
-        for i, ids in enumerate(suppressed):
-            suppress[i, :len(ids)] = ids
-        row, j = 0, 0
+        logit_rows: list[tuple[int, Request, int]] = []     # (row in N, request, prompt position)
+        row = 0
         for s in plan:
             req = s.request
-            ids = [req.token(i) for i in range(s.start, s.start + s.count)]
-            tokens[row:row + s.count] = ids
+            tokens[row:row + s.count] = [req.token(i) for i in range(s.start, s.start + s.count)]
             positions[row:row + s.count] = np.arange(s.start, s.start + s.count)
             slots[row:row + s.count] = req.slot
-            row += s.count
+            if req.params.prompt_logprobs is not None:
+                first = max(s.start, len(req.prompt_logprobs))
+                for pos in range(first, min(s.start + s.count, len(req.prompt_token_ids) - 1)):
+                    logit_rows.append((row + pos - s.start, req, pos))
             if s.draws:
-                logit_rows[j] = row - 1
-                temperature[j] = req.params.temperature
-                key_data[j] = req.key_data
-                out_pos[j] = len(req.output_token_ids)
-                j += 1
+                logit_rows.append((row + s.count - 1, req, -1))
+            row += s.count
+        r = _bucket(max(len(logit_rows), 1), tile)
+        rows = np.zeros(r, np.int32)
+        rows[:len(logit_rows)] = [i for i, _, _ in logit_rows]
+        meta = [(req, pos) for _, req, pos in logit_rows]
         batch = StepBatch(tokens=tokens, positions=positions, slots=slots,
-                          block_tables=self.block_tables.copy(), logit_rows=logit_rows,
-                          num_logit_rows=np.int32(len(drawing)),
-                          sampling=sampling.SamplingBatch(temperature=temperature, key_data=key_data,
-                                                          position=out_pos, suppress=suppress))
-        return batch, drawing
+                          block_tables=self.block_tables.copy(), logit_rows=rows,
+                          num_logit_rows=np.int32(len(meta)),
+                          with_logprobs=np.bool_(any(req.params.logprobs is not None
+                                                     or pos >= 0 for req, pos in meta)),
+                          sampling=self._sampling_batch(meta, r))
+        return batch, meta
+
+    def _sampling_batch(self, meta: list[tuple[Request, int]], r: int) -> sampling.SamplingBatch:
+        f32 = lambda v: np.full(r, v, np.float32)
+        i32 = lambda v: np.full(r, v, np.int32)
+        b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
+                 frequency=f32(0), repetition=f32(1), key_data=np.zeros((r, 2), np.uint32),
+                 position=i32(0), slot=i32(0), seq_pos=i32(-1), prompt_len=i32(0), target=i32(-1))
+        suppress = [self._suppressed(req) if pos < 0 else [] for req, pos in meta]
+        bias = [sorted(req.params.logit_bias.items()) if pos < 0 else [] for req, pos in meta]
+        allowed = [req.params.allowed_token_ids or [] if pos < 0 else [] for req, pos in meta]
+        for i, (req, pos) in enumerate(meta):
+            p = req.params
+            b["slot"][i], b["prompt_len"][i] = req.slot, len(req.prompt_token_ids)
+            if pos >= 0:                       # a prompt-logprobs row: nothing is drawn
+                b["seq_pos"][i], b["target"][i] = pos, req.prompt_token_ids[pos + 1]
+                continue
+            b["temperature"][i], b["top_k"][i], b["top_p"][i] = p.temperature, p.top_k, p.top_p
+            b["min_p"][i], b["presence"][i] = p.min_p, p.presence_penalty
+            b["frequency"][i], b["repetition"][i] = p.frequency_penalty, p.repetition_penalty
+            b["key_data"][i] = req.key_data
+            b["position"][i] = len(req.output_token_ids)
+            b["seq_pos"][i] = req.num_tokens - 1
+        return sampling.SamplingBatch(
+            **b, suppress=_padded(suppress, r, -1, np.int32),
+            bias_ids=_padded([[t for t, _ in x] for x in bias], r, -1, np.int32),
+            bias=_padded([[max(-100.0, min(100.0, v)) for _, v in x] for x in bias], r, 0, np.float32),
+            allowed=_padded(allowed, r, -1, np.int32))
 
     def _suppressed(self, req: Request) -> list[int]:
         """Stop tokens can't be drawn before min_tokens (vLLM's semantics)."""
@@ -224,40 +273,69 @@ class Engine:
         eos = [] if req.params.ignore_eos else sorted(self.eos_token_ids)
         return eos + list(req.params.stop_token_ids)
 
-    def _append(self, req: Request, token: int) -> RequestOutput:
+    def _append(self, req: Request, token: int, logprob: dict[int, Logprob] | None) -> RequestOutput:
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
             self.stats["prompt_tokens"] += len(req.prompt_token_ids)
         req.output_token_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+            req.cumulative_logprob += logprob[token].logprob
         self.stats["generation_tokens"] += 1
-        req.detok.add(token)
+        piece = req.detok.add(token)
         n, p = len(req.output_token_ids), req.params
+        stop = self._stop_string(req, piece) if n >= p.min_tokens else None
         if n >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
             self._finish(req, "stop", None)
         elif n >= p.min_tokens and token in p.stop_token_ids:
             self._finish(req, "stop", token)
+        elif stop is not None:
+            self._finish(req, "stop", stop[0], text=stop[1])
         elif n >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             self._finish(req, "length", None)
         return self.output(req, new_token_ids=[token])
 
-    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+    @staticmethod
+    def _stop_string(req: Request, piece: str) -> tuple[str, str] | None:
+        """(stop string, truncated text) if the new text completes a stop string."""
+        if not req.params.stop or not piece:
+            return None
+        text = req.detok.text
+        window = len(piece) + max(map(len, req.params.stop)) - 1
+        start = max(0, len(text) - window)
+        hits = [(text.find(st, start), st) for st in req.params.stop]
+        hits = [(i, st) for i, st in hits if i >= 0]
+        if not hits:
+            return None
+        i, st = min(hits)
+        return st, text[:i + len(st)] if req.params.include_stop_str_in_output else text[:i]
+
+    def _finish(self, req: Request, reason: str, stop_reason, text: str | None = None) -> None:
         req.status = Status.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.finished_time = time.monotonic()
-        req.detok.finish(req.output_token_ids)
+        if text is None:
+            req.detok.finish(req.output_token_ids)
+        else:
+            req.detok.text = text
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
 
     def output(self, req: Request, new_token_ids=()) -> RequestOutput:
-        completion = CompletionOutput(index=0, text=req.detok.text,
-                                      token_ids=list(req.output_token_ids),
-                                      finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+        wants = req.params.logprobs is not None
+        completion = CompletionOutput(
+            index=0, text=req.detok.text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if wants else None,
+            logprobs=list(req.logprobs) if wants else None,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason)
         metrics = RequestMetrics(arrival_time=req.arrival_time,
                                  first_scheduled_time=req.first_scheduled_time,
                                  first_token_time=req.first_token_time,
                                  finished_time=req.finished_time, num_preemptions=req.num_preemptions)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=list(req.prompt_token_ids), outputs=[completion],
+                             prompt_logprobs=([None] + req.prompt_logprobs
+                                              if req.params.prompt_logprobs is not None else None),
                              finished=req.status is Status.FINISHED, metrics=metrics,
                              new_token_ids=list(new_token_ids))

@@ -35,6 +35,9 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    logprobs: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -79,6 +82,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -117,6 +121,7 @@ class Scheduler:
         self.release(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.insert(0, req)
 
     def remove(self, req: Request) -> None:
