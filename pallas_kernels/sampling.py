@@ -30,6 +30,14 @@ def gumbel_from_bits(bits):
     return -jnp.log(-jnp.log(u))
 
 
+def argmax(x):
+    """First index of the row maximum, int32 [R]; jnp.argmax's result, but as a max and a min
+    reduction, which XLA:CPU vectorizes (4x faster over a 32000-token row)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == m, iota, x.shape[-1]), axis=-1)
+
+
 def _ordered(x):
     """float32 -> uint32 with the same order (-inf lowest)."""
     i = lax.bitcast_convert_type(x, jnp.int32)
@@ -58,12 +66,13 @@ def _softmax(x):
     return e / jnp.sum(e, axis=-1, keepdims=True)
 
 
-def process_and_sample(logits, bits, temperature, top_k, top_p, min_p):
-    """The shared math on a [R, V] block; params are [R]. Returns int32 [R]."""
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    x = logits / t
+def _any(mask):
+    """jnp.any as a max: Pallas' Triton lowering has no reduce_or."""
+    return jnp.max(mask.astype(jnp.int32)) > 0
+
+
+def _filter(x, top_k, top_p, min_p):
+    """min-p, then top-k, then top-p (on the top-k-renormalized probabilities), as -inf."""
     probs = _softmax(x)
     keep = probs >= (min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
     x = jnp.where(keep, x, -jnp.inf)
@@ -72,9 +81,26 @@ def process_and_sample(logits, bits, temperature, top_k, top_p, min_p):
     k_target = jnp.where((top_k > 0) & (top_k < v), top_k, v + 1).astype(jnp.float32)
     x = jnp.where(keys >= _threshold(keys, jnp.ones_like(x), k_target)[:, None], x, -jnp.inf)
     p_target = jnp.where(top_p < 1.0, top_p, 2.0)
-    x = jnp.where(keys >= _threshold(keys, _softmax(x), p_target)[:, None], x, -jnp.inf)
-    drawn = jnp.argmax(x + gumbel_from_bits(bits), axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return jnp.where(keys >= _threshold(keys, _softmax(x), p_target)[:, None], x, -jnp.inf)
+
+
+def process_and_sample(logits, bits, temperature, top_k, top_p, min_p):
+    """The shared math on a [R, V] block; params are [R]. Returns int32 [R].
+
+    Each stage runs only if some row needs it (greedy rows never pay for noise or filters).
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = argmax(logits)
+    sampled = temperature > 0
+
+    def draw():
+        x = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+        need = sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
+        x = lax.cond(_any(need), lambda: _filter(x, top_k, top_p, min_p), lambda: x)
+        return argmax(x + gumbel_from_bits(bits))
+
+    drawn = lax.cond(_any(sampled), draw, lambda: greedy)
+    return jnp.where(sampled, drawn, greedy)
 
 
 def sample_reference(logits, bits, temperature, top_k, top_p, min_p):
@@ -135,3 +161,19 @@ def sample_kernel(logits, bits, temperature, top_k, top_p, min_p, *, block_rows:
     )(logits.astype(jnp.float32), bits, col(temperature.astype(jnp.float32)),
       col(top_k.astype(jnp.int32)), col(top_p.astype(jnp.float32)), col(min_p.astype(jnp.float32)))
     return out[:, 0]
+
+
+def sample(logits, bits, temperature, top_k, top_p, min_p, *, impl: str = "auto"):
+    """Dispatch: "auto" (the kernel on GPU via Triton and on TPU via Mosaic, the reference on
+    CPU), "reference", "interpret" (the kernel in interpret mode), "triton", "mosaic_tpu"."""
+    if impl == "auto":
+        impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend(), "reference")
+    if impl == "reference":
+        return sample_reference(logits, bits, temperature, top_k, top_p, min_p)
+    rows = logits.shape[0]
+    if impl == "interpret":
+        return sample_kernel(logits, bits, temperature, top_k, top_p, min_p, block_rows=rows,
+                             interpret=True)
+    if impl not in ("triton", "mosaic_tpu"):
+        raise ValueError(f"sampler impl must be auto, reference, interpret, triton or mosaic_tpu; got {impl!r}")
+    return sample_kernel(logits, bits, temperature, top_k, top_p, min_p, block_rows=rows, backend=impl)

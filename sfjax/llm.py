@@ -29,7 +29,7 @@ class LLM:
                  dtype: str = "auto", block_size: int = 16, num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None, seed: int = 0, row_tile: int = 8,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto"):
         if model is None:
             from sfjax.default_model import default_model_path
             model = default_model_path()
@@ -44,7 +44,7 @@ class LLM:
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
-            seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes)
+            seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler)
         self.engine = Engine(self.model_config, weights, self.tokenizer, config,
                              generation_eos_ids(model, self.model_config.eos_token_ids))
         self._next_id = 0

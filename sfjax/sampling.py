@@ -96,29 +96,30 @@ def _penalize(logits, b: SamplingBatch, history):
 def process(logits, b: SamplingBatch, history):
     """Logit bias, allowed ids, min_tokens suppression and penalties; float32 [T, V]."""
     rows = jnp.arange(logits.shape[0])[:, None]
-    bias_ids = jnp.where(b.bias_ids >= 0, b.bias_ids, logits.shape[1])
-    logits = logits.at[rows, bias_ids].add(b.bias, mode="drop")
-    allow = jnp.zeros(logits.shape, jnp.bool_).at[rows, jnp.where(b.allowed >= 0, b.allowed, logits.shape[1])].set(
-        True, mode="drop")
-    logits = jnp.where(jnp.any(b.allowed >= 0, axis=1, keepdims=True) & ~allow, -jnp.inf, logits)
-    logits = _mask_ids(logits, b.suppress, -jnp.inf)
+    v = logits.shape[1]
+    restricted = jnp.any(b.allowed >= 0, axis=1, keepdims=True)
+
+    def masks(x):
+        x = x.at[rows, jnp.where(b.bias_ids >= 0, b.bias_ids, v)].add(b.bias, mode="drop")
+        allow = jnp.zeros(x.shape, jnp.bool_).at[rows, jnp.where(b.allowed >= 0, b.allowed, v)].set(
+            True, mode="drop")
+        x = jnp.where(restricted & ~allow, -jnp.inf, x)
+        return _mask_ids(x, b.suppress, -jnp.inf)
+
+    any_mask = jnp.any(b.bias_ids >= 0) | jnp.any(restricted) | jnp.any(b.suppress >= 0)
+    logits = lax.cond(any_mask, masks, lambda x: x, logits)
     penalized = (b.presence != 0) | (b.frequency != 0) | (b.repetition != 1)
     return lax.cond(jnp.any(penalized), lambda x: _penalize(x, b, history), lambda x: x, logits)
 
 
-def _draw_tile(raw, b: SamplingBatch, history, with_logprobs):
+def _draw_tile(raw, b: SamplingBatch, history, with_logprobs, impl):
     """One tile: process, draw, and (optionally) raw logprobs."""
     x = process(raw, b, history)
     v = raw.shape[1]
     sampled = (b.temperature > 0)
     bits = lax.cond(jnp.any(sampled), lambda: noise_bits(b.key_data, b.position, v),
                     lambda: jnp.zeros(raw.shape, jnp.uint32))
-    filtered = jnp.any(sampled & ((b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)))
-    tokens = lax.cond(
-        filtered,
-        lambda: kernels.sample_reference(x, bits, b.temperature, b.top_k, b.top_p, b.min_p),
-        lambda: kernels.sample_reference(x, bits, b.temperature, jnp.zeros_like(b.top_k),
-                                         jnp.ones_like(b.top_p), jnp.zeros_like(b.min_p)))
+    tokens = kernels.sample(x, bits, b.temperature, b.top_k, b.top_p, b.min_p, impl=impl)
     return Drawn(tokens, *_logprobs(raw, jnp.where(b.target >= 0, b.target, tokens), with_logprobs))
 
 
@@ -136,12 +137,13 @@ def _logprobs(raw, target, wanted):
     return lax.cond(wanted, compute, empty)
 
 
-def draw(logits, batch: SamplingBatch, history, num_rows, row_tile: int, with_logprobs) -> Drawn:
+def draw(logits, batch: SamplingBatch, history, num_rows, row_tile: int, with_logprobs,
+         impl: str = "auto") -> Drawn:
     """Tokens (and raw logprobs) for the first ``num_rows`` rows of ``logits`` [R, V] (float32).
 
     ``history`` int32 [max_seqs, max_model_len] holds each slot's tokens by position;
-    ``with_logprobs`` is a traced bool.
+    ``with_logprobs`` is a traced bool; ``impl`` picks the sampler (pallas_kernels.sampling.sample).
     """
     rows = jnp.arange(logits.shape[0]) < num_rows
-    fn = lambda raw, b: _draw_tile(raw, b, history, with_logprobs)
+    fn = lambda raw, b: _draw_tile(raw, b, history, with_logprobs, impl)
     return per_tile(fn, row_tile, num_tiles_of(rows, row_tile), logits, batch)

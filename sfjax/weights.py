@@ -92,6 +92,18 @@ def init_random(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
     return Weights(**arrays)
 
 
+LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def split_layers(weights: Weights) -> Weights:
+    """The same weights with each stacked [L, ...] field as a tuple of L separate arrays (the
+    model then unrolls its layer loop instead of scanning; see model.forward)."""
+    if isinstance(weights.wq, (tuple, list)):
+        return weights
+    split = {f: tuple(jnp.array(x) for x in getattr(weights, f)) for f in LAYER_FIELDS}
+    return dataclasses.replace(weights, **split)
+
+
 def check(weights: Weights, cfg: ModelConfig) -> None:
     """Raises ValueError naming the first array whose shape or dtype does not fit ``cfg``."""
     info = describe(cfg)

@@ -19,7 +19,7 @@ from sfjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutp
 from sfjax.sampling_params import SamplingParams
 from sfjax.step import DeviceState, StepBatch, model_step
 from sfjax.tokenizer import IncrementalDetokenizer
-from sfjax.weights import Weights
+from sfjax.weights import Weights, split_layers
 
 logger = logging.getLogger("sfjax")
 
@@ -35,6 +35,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     row_tile: int = 8                      # rows per tile of every op; fixed => row-invariant bits
+    sampler: str = "auto"                  # pallas_kernels.sampling.sample impl
+    layer_loop: str = "auto"               # "scan" (stacked) | "unrolled" | "auto": unrolled on CPU
     seed: int = 0
 
     def __post_init__(self):
@@ -70,6 +72,11 @@ class Engine:
     def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer, config: EngineConfig,
                  eos_token_ids: tuple[int, ...] = ()):
         self.cfg = cfg
+        loop = config.layer_loop
+        if loop not in ("auto", "scan", "unrolled"):
+            raise ValueError(f"layer_loop must be auto, scan or unrolled; got {loop!r}")
+        if loop == "unrolled" or (loop == "auto" and jax.default_backend() == "cpu"):
+            weights = split_layers(weights)
         self.weights = weights
         self.tokenizer = tokenizer
         max_len = config.max_model_len or cfg.max_position_embeddings
@@ -177,7 +184,7 @@ class Engine:
                 s.request.first_scheduled_time = now
         batch, meta = self._build_batch(plan)
         self.state, drawn = model_step(self.weights, self.state, batch, cfg=self.cfg,
-                                       row_tile=self.config.row_tile)
+                                       row_tile=self.config.row_tile, sampler=self.config.sampler)
         drawn = jax.device_get(drawn)
         self.stats["steps"] += 1
         for s in plan:

@@ -1,0 +1,281 @@
+"""Sampling: counter keys, distribution exactness, processors against vLLM's rules, the kernel."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sampling as K
+from sfjax import LLM, SamplingParams
+from sfjax import sampling as S
+
+# ------------------------------------------------------------------------------------------
+# the Gumbel-max draw itself
+
+
+def test_noise_is_jax_gumbel_of_the_counter_key():
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(7), 11), S.ROLE_TARGET)
+    bits = S.noise_bits(jnp.array([[0, 7]], jnp.uint32), jnp.array([11]), 300)[0]
+    assert (K.gumbel_from_bits(bits) == jax.random.gumbel(key, (300,), jnp.float32)).all()
+
+
+def test_exact_distribution_by_enumerating_the_noise():
+    """Each token's noise takes 2**23 equally likely values, independently, so the probability
+    that token i wins (argmax: the first index on ties) is an exact sum over i's noise values of
+    the product of the others' CDFs. It equals softmax(x) to 1e-6."""
+    x = np.array([1.3, -0.4, 0.0, 2.1], np.float32)
+    g = np.sort(np.asarray(K.gumbel_from_bits(jnp.arange(2**23, dtype=jnp.uint32) << 9)))
+    sums = [np.float32(xi) + g for xi in x]             # sorted, as rounding is monotone
+    n = float(len(g))
+    win = []
+    for i in range(len(x)):
+        p = np.ones(len(g))
+        for j in range(len(x)):
+            if j != i:
+                p *= np.searchsorted(sums[j], sums[i], side="left" if j < i else "right") / n
+        win.append(p.mean())
+    soft = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    assert abs(sum(win) - 1) < 1e-9
+    np.testing.assert_allclose(win, soft, atol=1e-6)
+
+
+def _draws(logits, n=100_000, **params):
+    """n draws from one row's logits with the counter keys of positions 0..n-1 of one request."""
+    v = logits.shape[0]
+    bits = S.noise_bits(jnp.tile(jnp.array([[0, 5]], jnp.uint32), (n, 1)), jnp.arange(n), v)
+    full = lambda name, val, dt: jnp.full((n,), params.get(name, val), dt)
+    return np.asarray(jax.jit(K.sample_reference)(
+        jnp.tile(jnp.asarray(logits)[None], (n, 1)), bits, full("temperature", 1.0, jnp.float32),
+        full("top_k", 0, jnp.int32), full("top_p", 1.0, jnp.float32), full("min_p", 0.0, jnp.float32)))
+
+
+def _expected(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """vLLM's rules by brute force on sorted probabilities."""
+    x = logits / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep = p >= min_p * p.max()
+    if top_k:
+        kth = np.sort(np.where(keep, x, -np.inf))[::-1][top_k - 1]
+        keep &= x >= kth
+    q = np.where(keep, p, 0)
+    q /= q.sum()
+    if top_p < 1:
+        above = np.array([q[q > q[i]].sum() for i in range(len(q))])
+        keep &= above < top_p
+    q = np.where(keep, p, 0)
+    return q / q.sum()
+
+
+# TV of the empirical distribution over V <= 8 outcomes at n = 10^5 draws: by the
+# Bretagnolle-Huber-Carol inequality P(TV >= eps) <= 2^V exp(-2 n eps^2) = 256 e^-20 < 1e-6
+# at eps = 0.01. The draws are fixed by the keys, so the test is deterministic.
+@pytest.mark.parametrize("params", [
+    dict(), dict(temperature=0.5), dict(temperature=2.0), dict(top_k=3), dict(top_p=0.7),
+    dict(min_p=0.2), dict(top_k=5, top_p=0.8, temperature=0.7), dict(top_p=0.3, min_p=0.05),
+])
+def test_distribution_matches_processed_softmax(params):
+    logits = np.array([0.5, 2.0, -1.0, 1.5, 0.0, 1.0, -0.5, 1.9], np.float32)
+    expected = _expected(logits, **params)
+    counts = np.bincount(_draws(logits, **params), minlength=8) / 100_000
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(expected)), "drew outside the set"
+    assert 0.5 * np.abs(counts - expected).sum() < 0.01
+
+
+def test_filters_never_leave_their_set_on_random_rows():
+    rng = np.random.default_rng(0)
+    r, v = 64, 40
+    logits = (rng.standard_normal((r, v)) * 3).astype(np.float32)
+    logits[:, :5] = logits[:, 5:10]                   # ties at the cutoffs
+    bits = S.noise_bits(jnp.zeros((r, 2), jnp.uint32), jnp.arange(r), v)
+    temp = rng.uniform(0.3, 2, r).astype(np.float32)
+    top_k = rng.integers(0, 8, r).astype(np.int32)
+    top_p = rng.uniform(0.05, 1, r).astype(np.float32)
+    min_p = np.where(rng.random(r) < 0.5, rng.uniform(0, 0.5, r), 0).astype(np.float32)
+    tokens = np.asarray(K.sample_reference(logits, bits, temp, top_k, top_p, min_p))
+    for i in range(r):
+        allowed = _expected(logits[i], temp[i], top_k[i], top_p[i], min_p[i]) > 0
+        assert allowed[tokens[i]], i
+
+
+def test_kernel_equals_reference_in_interpret_mode():
+    rng = np.random.default_rng(1)
+    r, v = 32, 300
+    logits = (rng.standard_normal((r, v)) * 2).astype(np.float32)
+    bits = S.noise_bits(jnp.zeros((r, 2), jnp.uint32), jnp.arange(r), v)
+    args = (logits, bits, np.where(rng.random(r) < 0.2, 0, rng.uniform(0.2, 2, r)).astype(np.float32),
+            rng.integers(0, 30, r).astype(np.int32), rng.uniform(0.1, 1, r).astype(np.float32),
+            np.where(rng.random(r) < 0.5, 0.1, 0).astype(np.float32))
+    ref = np.asarray(K.sample_reference(*args))
+    assert (np.asarray(K.sample_kernel(*args, interpret=True)) == ref).all()
+    assert (np.asarray(K.sample(*args, impl="interpret")) == ref).all()
+
+
+def _lowering_args():
+    r, v = 16, 1000
+    return (jnp.zeros((r, v)), jnp.zeros((r, v), jnp.uint32), jnp.ones(r), jnp.zeros(r, jnp.int32),
+            jnp.ones(r), jnp.zeros(r))
+
+
+def test_kernel_cross_lowers_for_gpu_triton():
+    f = functools.partial(K.sample_kernel, backend="triton")
+    text = jax.jit(f).trace(*_lowering_args()).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+
+
+def test_kernel_cross_lowers_for_tpu_mosaic():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    args = _lowering_args()
+    device = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+    f = functools.partial(K.sample_kernel, backend="mosaic_tpu")
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+
+
+# ------------------------------------------------------------------------------------------
+# processors against vLLM's rules
+
+
+def test_penalties_bias_and_allowed_follow_vllm():
+    rng = np.random.default_rng(2)
+    r, v, length = 8, 24, 12
+    logits = rng.standard_normal((r, v)).astype(np.float32)
+    history = rng.integers(0, v, (4, length)).astype(np.int32)
+    slot = rng.integers(0, 4, r).astype(np.int32)
+    prompt_len = rng.integers(1, 6, r).astype(np.int32)
+    seq_pos = (prompt_len + rng.integers(0, 5, r)).astype(np.int32)
+    b = S.SamplingBatch(
+        temperature=np.ones(r, np.float32), top_k=np.zeros(r, np.int32), top_p=np.ones(r, np.float32),
+        min_p=np.zeros(r, np.float32), presence=rng.uniform(-2, 2, r).astype(np.float32),
+        frequency=rng.uniform(-2, 2, r).astype(np.float32),
+        repetition=rng.uniform(0.5, 2, r).astype(np.float32),
+        key_data=np.zeros((r, 2), np.uint32), position=np.zeros(r, np.int32), slot=slot,
+        seq_pos=seq_pos, prompt_len=prompt_len,
+        suppress=np.array([[3, -1]] * r, np.int32),
+        bias_ids=np.array([[5, 7]] * r, np.int32), bias=np.array([[1.5, -100.0]] * r, np.float32),
+        allowed=np.array([[-1, -1, -1]] * 4 + [[1, 5, 9]] * 4, np.int32),
+        target=np.full(r, -1, np.int32))
+    got = np.asarray(S.process(jnp.asarray(logits), b, jnp.asarray(history)))
+    for i in range(r):
+        x = logits[i].astype(np.float64).copy()
+        x[5] += 1.5
+        x[7] -= 100.0
+        if i >= 4:
+            mask = np.full(v, -np.inf)
+            mask[[1, 5, 9]] = 0
+            x = x + mask
+        x[3] = -np.inf
+        seen = history[slot[i], :seq_pos[i] + 1]
+        out = history[slot[i], prompt_len[i]:seq_pos[i] + 1]
+        rp = b.repetition[i]
+        for t in set(seen.tolist()):
+            x[t] = x[t] / rp if x[t] > 0 else x[t] * rp
+        counts = np.bincount(out, minlength=v)
+        x = x - b.frequency[i] * counts - b.presence[i] * (counts > 0)
+        np.testing.assert_allclose(got[i], x, rtol=1e-6, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# through the engine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_folder):
+    return LLM(tiny_folder, max_num_seqs=32, max_model_len=128, seed=0)
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(2, 500, rng.integers(3, 30)).tolist()} for _ in range(n)]
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_seeded_request_is_the_same_alone_in_a_batch_and_across_engine_seeds(llm, tiny_folder):
+    prompts = _prompts(32, seed=1)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = _ids(llm.generate(prompts[0], params, use_tqdm=False))[0]
+    others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    for slot in (0, 17, 31):
+        batch = [others] * 32
+        batch[slot] = params
+        mixed = prompts[1:slot + 1] + [prompts[0]] + prompts[slot + 1:]
+        assert _ids(llm.generate(mixed, batch, use_tqdm=False))[slot] == alone
+    other_engine = LLM(tiny_folder, max_num_seqs=8, max_model_len=128, seed=99)
+    assert _ids(other_engine.generate(prompts[0], params, use_tqdm=False))[0] == alone
+
+
+def test_unseeded_requests_differ_across_engine_seeds(llm, tiny_folder):
+    prompts = _prompts(4, seed=2)
+    params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    a = _ids(LLM(tiny_folder, max_num_seqs=4, max_model_len=128, seed=1).generate(prompts, params, use_tqdm=False))
+    b = _ids(LLM(tiny_folder, max_num_seqs=4, max_model_len=128, seed=1).generate(prompts, params, use_tqdm=False))
+    c = _ids(LLM(tiny_folder, max_num_seqs=4, max_model_len=128, seed=2).generate(prompts, params, use_tqdm=False))
+    assert a == b
+    assert all(x != y for x, y in zip(a, c))
+
+
+def test_top_k_1_equals_greedy(llm):
+    prompts = _prompts(6, seed=3)
+    greedy = _ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                               use_tqdm=False))
+    top1 = _ids(llm.generate(prompts, SamplingParams(temperature=1.3, top_k=1, seed=5, max_tokens=16,
+                                                     ignore_eos=True), use_tqdm=False))
+    assert top1 == greedy
+
+
+def test_stop_strings(llm):
+    prompt = _prompts(1, seed=4)[0]
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = base.text[len(base.text) // 2: len(base.text) // 2 + 2]
+    assert stop
+    cut = base.text.index(stop)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == base.text[:cut] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == base.token_ids[:len(out.token_ids)]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop,
+                                              include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert out.text == base.text[:cut + len(stop)]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(logprobs=21), "logprobs"),
+    (dict(prompt_logprobs=50), "prompt_logprobs"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(stop=["ok", ""]), "stop"), (dict(n=2), "n"), (dict(seed=-1), "seed"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} .*must be"):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(stop_token_ids=[512]), "stop_token_ids"), (dict(logit_bias={600: 1.0}), "logit_bias"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(llm, kwargs, field):
+    with pytest.raises(ValueError, match=rf"{field} .*\[0, 512\)"):
+        llm.generate(_prompts(1)[0], SamplingParams(**kwargs), use_tqdm=False)
+
+
+def test_processors_reach_the_engine(llm):
+    prompt = _prompts(1, seed=5)[0]
+    out = llm.generate(prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                                              allowed_token_ids=[10, 11, 12]), use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= {10, 11, 12}
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              logit_bias={42: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [42] * 12
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              logit_bias={42: 100.0}, presence_penalty=2.0,
+                                              repetition_penalty=2.0), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] == 42   # 42 is in neither prompt nor output before the first draw
