@@ -84,6 +84,19 @@ def _filter(x, top_k, top_p, min_p):
     return jnp.where(keys >= _threshold(keys, _softmax(x), p_target)[:, None], x, -jnp.inf)
 
 
+def processed_logits(logits, temperature, top_k, top_p, min_p):
+    """The logits a row draws from: for sampled rows logits / T with min-p, top-k and top-p as
+    -inf; for greedy rows 0 at the argmax and -inf elsewhere (a point mass). [R, V] float32."""
+    logits = logits.astype(jnp.float32)
+    sampled = temperature > 0
+    x = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    need = sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
+    x = lax.cond(_any(need), lambda: _filter(x, top_k, top_p, min_p), lambda: x)
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    point = jnp.where(iota == argmax(logits)[:, None], 0.0, -jnp.inf)
+    return jnp.where(sampled[:, None], x, point)
+
+
 def process_and_sample(logits, bits, temperature, top_k, top_p, min_p):
     """The shared math on a [R, V] block; params are [R]. Returns int32 [R].
 

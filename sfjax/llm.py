@@ -12,6 +12,7 @@ from sfjax.config import ModelConfig
 from sfjax.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineConfig
 from sfjax.outputs import RequestOutput
 from sfjax.sampling_params import SamplingParams
+from sfjax.spec.config import SpeculativeConfig
 from sfjax.tokenizer import generation_eos_ids, load_tokenizer
 from sfjax.weights import load_hf
 
@@ -29,7 +30,8 @@ class LLM:
                  dtype: str = "auto", block_size: int = 16, num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None, seed: int = 0, row_tile: int = 8,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto"):
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto",
+                 speculative_config: dict | SpeculativeConfig | None = None):
         if model is None:
             from sfjax.default_model import default_model_path
             model = default_model_path()
@@ -45,12 +47,24 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
             seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler)
+        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config else None
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft_path = os.fspath(spec.model)
+            if not os.path.isdir(draft_path):
+                raise ValueError(f"speculative_config.model: {draft_path!r} is not a folder")
+            draft_cfg = ModelConfig.from_folder(draft_path, dtype)
+            draft = (draft_cfg, load_hf(draft_path, draft_cfg))
         self.engine = Engine(self.model_config, weights, self.tokenizer, config,
-                             generation_eos_ids(model, self.model_config.eos_token_ids))
+                             generation_eos_ids(model, self.model_config.eos_token_ids), spec, draft)
         self._next_id = 0
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_metrics(self) -> dict:
+        """Engine counters; with speculation, vLLM's spec-decode counters under "spec_decode"."""
+        return self.engine.get_metrics()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

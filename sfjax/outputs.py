@@ -45,4 +45,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # [None, then per token]
+    certificate: object | None = None   # sfjax.spec.Certificate of the strategy that served it
     new_token_ids: list[int] = dataclasses.field(default_factory=list)  # this step's tokens

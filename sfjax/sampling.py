@@ -18,8 +18,10 @@ from pallas_kernels import sampling as kernels
 from pallas_kernels.rows import num_tiles_of, per_tile
 from sfjax.sampling_params import MAX_LOGPROBS
 
-ROLE_TARGET = 0   # the token drawn from the target model at a position
-ROLE_DRAFT = 1    # reserved for drafters that couple with the target (same noise)
+ROLE_TARGET = 0    # the token drawn from the target model at a position (and by coupled drafters)
+ROLE_DRAFT = 1     # a draft model's own draw (rejection sampling needs independent drafts)
+ROLE_ACCEPT = 2    # the uniform of a rejection-sampling acceptance test
+ROLE_RESIDUAL = 3  # the draw from the residual distribution after a rejection
 
 
 @jax.tree_util.register_dataclass
@@ -112,18 +114,20 @@ def process(logits, b: SamplingBatch, history):
     return lax.cond(jnp.any(penalized), lambda x: _penalize(x, b, history), lambda x: x, logits)
 
 
-def _draw_tile(raw, b: SamplingBatch, history, with_logprobs, impl):
+def _draw_tile(raw, b: SamplingBatch, history, with_logprobs, impl, role=ROLE_TARGET):
     """One tile: process, draw, and (optionally) raw logprobs."""
     x = process(raw, b, history)
     v = raw.shape[1]
     sampled = (b.temperature > 0)
-    bits = lax.cond(jnp.any(sampled), lambda: noise_bits(b.key_data, b.position, v),
+    bits = lax.cond(jnp.any(sampled), lambda: noise_bits(b.key_data, b.position, v, role),
                     lambda: jnp.zeros(raw.shape, jnp.uint32))
     tokens = kernels.sample(x, bits, b.temperature, b.top_k, b.top_p, b.min_p, impl=impl)
-    return Drawn(tokens, *_logprobs(raw, jnp.where(b.target >= 0, b.target, tokens), with_logprobs))
+    return Drawn(tokens, *raw_logprobs(raw, jnp.where(b.target >= 0, b.target, tokens), with_logprobs))
 
 
-def _logprobs(raw, target, wanted):
+def raw_logprobs(raw, target, wanted):
+    """(logprob of ``target``, its 1-based rank, top-20 ids, top-20 logprobs) of the raw logits,
+    computed only if ``wanted`` (a traced bool)."""
     def compute():
         lp = raw - jax.nn.logsumexp(raw, axis=-1, keepdims=True)
         tok = jnp.take_along_axis(lp, target[:, None], axis=1)[:, 0]
@@ -138,12 +142,25 @@ def _logprobs(raw, target, wanted):
 
 
 def draw(logits, batch: SamplingBatch, history, num_rows, row_tile: int, with_logprobs,
-         impl: str = "auto") -> Drawn:
+         impl: str = "auto", role: int = ROLE_TARGET) -> Drawn:
     """Tokens (and raw logprobs) for the first ``num_rows`` rows of ``logits`` [R, V] (float32).
 
     ``history`` int32 [max_seqs, max_model_len] holds each slot's tokens by position;
     ``with_logprobs`` is a traced bool; ``impl`` picks the sampler (pallas_kernels.sampling.sample).
     """
     rows = jnp.arange(logits.shape[0]) < num_rows
-    fn = lambda raw, b: _draw_tile(raw, b, history, with_logprobs, impl)
+    fn = lambda raw, b: _draw_tile(raw, b, history, with_logprobs, impl, role)
+    return per_tile(fn, row_tile, num_tiles_of(rows, row_tile), logits, batch)
+
+
+def log_probs(logits, batch: SamplingBatch, history, num_rows, row_tile: int):
+    """The processed distribution each row draws from, as log-probabilities [R, V] (a point mass
+    for greedy rows); what rejection sampling and typical acceptance compare."""
+    rows = jnp.arange(logits.shape[0]) < num_rows
+
+    def fn(raw, b):
+        x = kernels.processed_logits(process(raw, b, history), b.temperature, b.top_k, b.top_p, b.min_p)
+        m = jnp.max(x, axis=-1, keepdims=True)
+        return x - (m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))
+
     return per_tile(fn, row_tile, num_tiles_of(rows, row_tile), logits, batch)

@@ -56,6 +56,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    disable_spec_decode: bool = False
+    spec_strategy: str | None = None
+    spec_exactness: str | None = None
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -84,6 +87,8 @@ class SamplingParams:
             v = getattr(self, name)
             _check(v is None or 0 <= v <= MAX_LOGPROBS, name, v, f"[0, {MAX_LOGPROBS}]")
         _check(all(self.stop), "stop", self.stop, "non-empty strings")
+        _check(self.spec_exactness in (None, "lossy", "distribution-exact", "path-exact"),
+               "spec_exactness", self.spec_exactness, "None, lossy, distribution-exact or path-exact")
         _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
                "allowed_token_ids", self.allowed_token_ids, "a non-empty list")
 

@@ -17,6 +17,11 @@ from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
 from sfjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sfjax.sampling_params import SamplingParams
+from sfjax.engine import speculation
+from sfjax.engine.speculation import Speculator
+from sfjax.spec.config import SpeculativeConfig
+from sfjax.spec.registry import Registry
+from sfjax.spec.round import spec_step
 from sfjax.step import DeviceState, StepBatch, model_step
 from sfjax.tokenizer import IncrementalDetokenizer
 from sfjax.weights import Weights, split_layers
@@ -70,13 +75,16 @@ class Engine:
     """``add_request`` / ``step`` / ``abort`` / ``has_unfinished_requests``; LLM.generate is built on it."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer, config: EngineConfig,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), speculative: SpeculativeConfig | None = None,
+                 draft: tuple[ModelConfig, Weights] | None = None):
         self.cfg = cfg
         loop = config.layer_loop
         if loop not in ("auto", "scan", "unrolled"):
             raise ValueError(f"layer_loop must be auto, scan or unrolled; got {loop!r}")
-        if loop == "unrolled" or (loop == "auto" and jax.default_backend() == "cpu"):
+        self._split = loop == "unrolled" or (loop == "auto" and jax.default_backend() == "cpu")
+        if self._split:
             weights = split_layers(weights)
+            draft = (draft[0], split_layers(draft[1])) if draft else None
         self.weights = weights
         self.tokenizer = tokenizer
         max_len = config.max_model_len or cfg.max_position_embeddings
@@ -96,6 +104,9 @@ class Engine:
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.state = DeviceState(cache=KVCache.zeros(cfg, num_blocks, config.block_size),
                                  history=jnp.zeros((config.max_num_seqs, max_len), jnp.int32))
+        self.registry = Registry()
+        self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
+                                self.registry) if speculative else None)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
@@ -132,6 +143,7 @@ class Engine:
         if blocks > self.config.num_kv_blocks - 1:
             raise ValueError(f"the request needs {blocks} KV blocks; the cache has only "
                              f"{self.config.num_kv_blocks - 1}")
+        slot = self._strategy_slot(params)
         seed = params.seed
         if seed is None:  # the engine seed and the arrival number, folded on the host
             seed = (self.config.seed * 0x9E3779B97F4A7C15 + self._arrivals + 1) % 2**63
@@ -139,7 +151,24 @@ class Engine:
             request_id=request_id, prompt=text, prompt_token_ids=list(ids), params=params,
             arrival=self._arrivals, key_data=sampling.request_key_data(seed), max_tokens=max_tokens,
             detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-            arrival_time=time.monotonic())
+            arrival_time=time.monotonic(), strategy_slot=slot, certificate=self.registry.slots[slot])
+
+    def _strategy_slot(self, params: SamplingParams) -> int:
+        """The registry slot serving the request; refuses an ungranted strategy or one whose
+        certificate does not give the demanded exactness for the request's sampling mode."""
+        if params.spec_strategy is not None:
+            slot = self.registry.lookup(params.spec_strategy)
+        else:
+            slot = self.spec.slot if self.spec else 0
+        if params.disable_spec_decode:
+            slot = 0
+        cert = self.registry.slots[slot]
+        if not cert.covers(params.spec_exactness, params.greedy):
+            mode = "greedy" if params.greedy else "sampled (gumbel)"
+            raise ValueError(f"spec_exactness: {params.spec_exactness!r} demanded, but {cert.strategy} is "
+                             f"certified {cert.exactness} for {', '.join(cert.sampling_modes)} only "
+                             f"(this request is {mode})")
+        return slot
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -182,28 +211,109 @@ class Engine:
         for s in plan:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
+        self.stats["steps"] += 1
+        spec_k = self._speculating(plan) if self.spec else {}
+        if self.spec and (spec_k or self.spec.draft_cfg is not None):
+            return self._spec_step(plan, spec_k)
         batch, meta = self._build_batch(plan)
         self.state, drawn = model_step(self.weights, self.state, batch, cfg=self.cfg,
                                        row_tile=self.config.row_tile, sampler=self.config.sampler)
         drawn = jax.device_get(drawn)
-        self.stats["steps"] += 1
         for s in plan:
             s.request.num_computed = s.start + s.count
+        return self._read_rows(meta, drawn, 0)
+
+    def _read_rows(self, meta, drawn, first: int) -> list[RequestOutput]:
+        """Prompt logprobs and drawn tokens of the logit rows from ``first`` on."""
         outputs = []
-        for i, (req, pos) in enumerate(meta):
-            lp = self._logprob_entry(req, drawn, i, pos)
+        for i, (req, pos, _) in enumerate(meta[first:], first):
+            lp = self._logprob_entry(req, drawn, i, pos, int(drawn.tokens[i]))
             if pos >= 0:
                 req.prompt_logprobs.append(lp)
             else:
                 outputs.append(self._append(req, int(drawn.tokens[i]), lp))
         return outputs
 
-    def _logprob_entry(self, req: Request, drawn, i: int, pos: int) -> dict[int, Logprob] | None:
-        """{token: Logprob} for the target token and the top N, or None if not asked for."""
+    # -- speculation ---------------------------------------------------------------------------
+
+    def _is_decode(self, s: Scheduled) -> bool:
+        return s.count == 1 and s.start == s.request.num_tokens - 1 and bool(s.request.output_token_ids)
+
+    def _speculating(self, plan: list[Scheduled]) -> dict[int, int]:
+        """Plan entry -> k (> 0) for the decode rows that draft this round; reserves their blocks."""
+        on = self.spec.enabled_for_step(len(self.scheduler.running))
+        out = {}
+        for i, s in enumerate(plan):
+            req = s.request
+            if not on or not self._is_decode(s):
+                continue
+            length = req.num_tokens
+            budget = min(req.max_tokens - len(req.output_token_ids), self.config.max_model_len - length)
+            k = self.spec.k_for(req, budget)
+            if k > 0 and self.scheduler.grow(req, length + k):
+                out[i] = k
+        return out
+
+    def _spec_step(self, plan: list[Scheduled], spec_k: dict[int, int]) -> list[RequestOutput]:
+        spec, k1 = self.spec, self.spec.k_max + 1
+        order = sorted(spec_k)
+        n_slots = _bucket(max(len(order), 1), 1)
+        tokens, positions, slots, verify_row = speculation.layout(plan, spec_k, spec.k_max)
+        verify_meta = []
+        for r in range(n_slots):
+            req = plan[order[r]].request if r < len(order) else None
+            verify_meta += [(req, -1, j) for j in range(k1)]
+        batch, meta = self._build_batch(plan, (tokens, positions, slots), verify_meta, set(order), k1)
+        decode = {i for i, s in enumerate(plan) if self._is_decode(s)}
+        draft = speculation.draft_rows(plan, decode)
+        stops = {i: self._stop_rule(plan[i].request) for i in order}
+        sb = speculation.spec_batch(plan, spec_k, verify_row, draft, stops, n_slots,
+                                    _bucket(max(len(draft[0]), 1), self.config.row_tile))
+        self.state, spec.draft_cache, drawn, accepted, out, emitted, drafted = spec_step(
+            self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb, cfg=self.cfg,
+            dcfg=spec.draft_cfg, rc=spec.round, row_tile=self.config.row_tile,
+            sampler=self.config.sampler)
+        drawn, accepted, out, emitted, drafted = jax.device_get((drawn, accepted, out, emitted, drafted))
+        for i, s in enumerate(plan):
+            if i not in spec_k:
+                s.request.num_computed = s.start + s.count
+        outputs = []
+        for r, i in enumerate(order):
+            req = plan[i].request
+            n = int(emitted[r])
+            spec.metrics.add(int(drafted[r]), min(int(accepted[r]), n))
+            req.num_computed = req.num_tokens - 1 + n        # rollback: a length, nothing else
+            new = []
+            for j in range(n):
+                token = int(out[r, j])
+                lp = self._logprob_entry(req, drawn, r * k1 + j, -1, token)
+                result = self._append(req, token, lp)
+                new.append(token)
+                if result.finished:
+                    break
+            result.new_token_ids = new
+            outputs.append(result)
+        return outputs + self._read_rows(meta, drawn, len(verify_meta))
+
+    def _stop_rule(self, req: Request) -> tuple[list[int], int, int]:
+        """(stop token ids, index from which they count, tokens left) for the device."""
+        stops = ([] if req.params.ignore_eos else sorted(self.eos_token_ids)) + req.params.stop_token_ids
+        out = len(req.output_token_ids)
+        budget = min(req.max_tokens - out, self.config.max_model_len - req.num_tokens)
+        return stops, max(0, req.params.min_tokens - out), budget
+
+    def get_metrics(self) -> dict:
+        m = dict(self.stats, num_preemptions=self.scheduler.num_preemptions)
+        if self.spec:
+            m["spec_decode"] = self.spec.metrics.as_dict()
+        return m
+
+    def _logprob_entry(self, req: Request, drawn, i: int, pos: int, token: int) -> dict[int, Logprob] | None:
+        """{token: Logprob} for the reported token and the top N, or None if not asked for."""
         n = req.params.prompt_logprobs if pos >= 0 else req.params.logprobs
         if n is None:
             return None
-        token = req.prompt_token_ids[pos + 1] if pos >= 0 else int(drawn.tokens[i])
+        token = req.prompt_token_ids[pos + 1] if pos >= 0 else token
         entry = {token: Logprob(float(drawn.logprob[i]), int(drawn.rank[i]), self._piece(token))}
         for rank, (t, v) in enumerate(zip(drawn.top_ids[i, :n], drawn.top_logprobs[i, :n]), 1):
             entry.setdefault(int(t), Logprob(float(v), rank, self._piece(int(t))))
@@ -212,50 +322,58 @@ class Engine:
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def _build_batch(self, plan: list[Scheduled]) -> tuple[StepBatch, list[tuple[Request, int]]]:
-        """Packs the plan's rows; returns the batch and, per logit row, (request, prompt position
-        whose next token's logprob it reports, or -1 for the row that draws)."""
+    def _build_batch(self, plan: list[Scheduled], rows=None, head: list | None = None,
+                     verify: set[int] = frozenset(), k1: int = 1) -> tuple[StepBatch, list]:
+        """Packs the plan's rows; returns the batch and per logit row (request, prompt position
+        whose next token's logprob it reports or -1 for a draw, offset of a verify row).
+
+        ``rows`` overrides the token layout; the ``head`` logit rows come first: a round's verify
+        rows, ``k1`` per entry in ``verify`` (slot-major, padded), given as (request, -1, j).
+        """
         tile = self.config.row_tile
-        n = _bucket(sum(s.count for s in plan), tile)
-        tokens = np.zeros(n, np.int32)
-        positions = np.full(n, -1, np.int32)
-        slots = np.full(n, -1, np.int32)
-        logit_rows: list[tuple[int, Request, int]] = []     # (row in N, request, prompt position)
-        row = 0
-        for s in plan:
+        tokens, positions, slots = rows if rows is not None else speculation.layout(plan, {}, 0)[:3]
+        logit_rows, verify_rows, row = [], [], 0
+        for i, s in enumerate(plan):
             req = s.request
-            tokens[row:row + s.count] = [req.token(i) for i in range(s.start, s.start + s.count)]
-            positions[row:row + s.count] = np.arange(s.start, s.start + s.count)
-            slots[row:row + s.count] = req.slot
+            if i in verify:
+                verify_rows += range(row, row + k1)
+                row += k1
+                continue
             if req.params.prompt_logprobs is not None:
                 first = max(s.start, len(req.prompt_logprobs))
                 for pos in range(first, min(s.start + s.count, len(req.prompt_token_ids) - 1)):
-                    logit_rows.append((row + pos - s.start, req, pos))
+                    logit_rows.append((row + pos - s.start, (req, pos, 0)))
             if s.draws:
-                logit_rows.append((row + s.count - 1, req, -1))
+                logit_rows.append((row + s.count - 1, (req, -1, 0)))
             row += s.count
-        r = _bucket(max(len(logit_rows), 1), tile)
-        rows = np.zeros(r, np.int32)
-        rows[:len(logit_rows)] = [i for i, _, _ in logit_rows]
-        meta = [(req, pos) for _, req, pos in logit_rows]
-        batch = StepBatch(tokens=tokens, positions=positions, slots=slots,
-                          block_tables=self.block_tables.copy(), logit_rows=rows,
-                          num_logit_rows=np.int32(len(meta)),
-                          with_logprobs=np.bool_(any(req.params.logprobs is not None
-                                                     or pos >= 0 for req, pos in meta)),
-                          sampling=self._sampling_batch(meta, r))
+        head = head or []
+        all_rows = verify_rows + [0] * (len(head) - len(verify_rows)) + [r for r, _ in logit_rows]
+        meta = list(head) + [m for _, m in logit_rows]
+        r = _bucket(max(len(meta), 1), tile)
+        logprobs = any(req is not None and (req.params.logprobs is not None or pos >= 0)
+                       for req, pos, _ in meta)
+        batch = StepBatch(
+            tokens=speculation.pad(tokens, _bucket(len(tokens), tile), 0),
+            positions=speculation.pad(positions, _bucket(len(tokens), tile), -1),
+            slots=speculation.pad(slots, _bucket(len(tokens), tile), -1),
+            block_tables=self.block_tables.copy(), logit_rows=speculation.pad(all_rows, r, 0),
+            num_logit_rows=np.int32(len(meta)), with_logprobs=np.bool_(logprobs),
+            sampling=self._sampling_batch(meta, r))
         return batch, meta
 
-    def _sampling_batch(self, meta: list[tuple[Request, int]], r: int) -> sampling.SamplingBatch:
+    def _sampling_batch(self, meta: list, r: int) -> sampling.SamplingBatch:
         f32 = lambda v: np.full(r, v, np.float32)
         i32 = lambda v: np.full(r, v, np.int32)
         b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
                  frequency=f32(0), repetition=f32(1), key_data=np.zeros((r, 2), np.uint32),
                  position=i32(0), slot=i32(0), seq_pos=i32(-1), prompt_len=i32(0), target=i32(-1))
-        suppress = [self._suppressed(req) if pos < 0 else [] for req, pos in meta]
-        bias = [sorted(req.params.logit_bias.items()) if pos < 0 else [] for req, pos in meta]
-        allowed = [req.params.allowed_token_ids or [] if pos < 0 else [] for req, pos in meta]
-        for i, (req, pos) in enumerate(meta):
+        draws = [req is not None and pos < 0 for req, pos, _ in meta]
+        suppress = [self._suppressed(req, j) if d else [] for (req, _, j), d in zip(meta, draws)]
+        bias = [sorted(req.params.logit_bias.items()) if d else [] for (req, _, _), d in zip(meta, draws)]
+        allowed = [req.params.allowed_token_ids or [] if d else [] for (req, _, _), d in zip(meta, draws)]
+        for i, (req, pos, j) in enumerate(meta):
+            if req is None:
+                continue
             p = req.params
             b["slot"][i], b["prompt_len"][i] = req.slot, len(req.prompt_token_ids)
             if pos >= 0:                       # a prompt-logprobs row: nothing is drawn
@@ -265,17 +383,17 @@ class Engine:
             b["min_p"][i], b["presence"][i] = p.min_p, p.presence_penalty
             b["frequency"][i], b["repetition"][i] = p.frequency_penalty, p.repetition_penalty
             b["key_data"][i] = req.key_data
-            b["position"][i] = len(req.output_token_ids)
-            b["seq_pos"][i] = req.num_tokens - 1
+            b["position"][i] = len(req.output_token_ids) + j
+            b["seq_pos"][i] = req.num_tokens - 1 + j
         return sampling.SamplingBatch(
             **b, suppress=_padded(suppress, r, -1, np.int32),
             bias_ids=_padded([[t for t, _ in x] for x in bias], r, -1, np.int32),
             bias=_padded([[max(-100.0, min(100.0, v)) for _, v in x] for x in bias], r, 0, np.float32),
             allowed=_padded(allowed, r, -1, np.int32))
 
-    def _suppressed(self, req: Request) -> list[int]:
+    def _suppressed(self, req: Request, offset: int = 0) -> list[int]:
         """Stop tokens can't be drawn before min_tokens (vLLM's semantics)."""
-        if len(req.output_token_ids) >= req.params.min_tokens:
+        if len(req.output_token_ids) + offset >= req.params.min_tokens:
             return []
         eos = [] if req.params.ignore_eos else sorted(self.eos_token_ids)
         return eos + list(req.params.stop_token_ids)
@@ -345,4 +463,4 @@ class Engine:
                              prompt_logprobs=([None] + req.prompt_logprobs
                                               if req.params.prompt_logprobs is not None else None),
                              finished=req.status is Status.FINISHED, metrics=metrics,
-                             new_token_ids=list(new_token_ids))
+                             new_token_ids=list(new_token_ids), certificate=req.certificate)

@@ -38,6 +38,8 @@ class Request:
     logprobs: list = dataclasses.field(default_factory=list)
     prompt_logprobs: list = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
+    strategy_slot: int = 0          # the engine registry's slot (0: plain decoding)
+    certificate: object | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -92,6 +94,10 @@ class Scheduler:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def grow(self, req: Request, upto: int) -> bool:
+        """Blocks for positions < ``upto`` if the pool has them, without preempting anyone."""
+        return self._grow(req, upto)
 
     def _grow(self, req: Request, upto: int) -> bool:
         """Makes ``req`` own blocks for positions < ``upto``; False if the pool is short."""

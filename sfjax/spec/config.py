@@ -1,0 +1,80 @@
+"""``speculative_config`` with vLLM's names, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+METHODS = ("draft_model", "ngram")
+ACCEPTANCE = ("exact", "rejection_sampler", "typical_acceptance_sampler")
+MAX_SPECULATIVE_TOKENS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: "draft_model" (a smaller Llama with its own paged cache on the same block tables)
+    or "ngram" (prompt lookup over the sequence's own tokens, on the device).
+    num_speculative_tokens: k, the drafts per round (1..128).
+    acceptance_method: "exact" (default; path-exact: the tokens plain decoding would draw with
+    the same keys), "rejection_sampler" (Leviathan/Chen; distribution-exact) or
+    "typical_acceptance_sampler" (Medusa's rule; lossy: equal to plain decoding at temperature 0).
+    max_model_len: the draft's limit; rows past it decode without speculation.
+    disable_by_batch_size: no speculation in a step with at least this many running requests.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    max_model_len: int | None = None
+    disable_by_batch_size: int | None = None
+    acceptance_method: str = "exact"
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | "SpeculativeConfig") -> "SpeculativeConfig":
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if "method" not in d and "model" in d:
+            d = {**d, "method": "draft_model"}
+        for field in ("method", "num_speculative_tokens"):
+            if field not in d:
+                raise ValueError(f"speculative_config.{field} is required")
+        return cls(**d)
+
+    def __post_init__(self):
+        k = self.num_speculative_tokens
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method = {self.method!r}: must be one of {METHODS}")
+        if self.acceptance_method not in ACCEPTANCE:
+            raise ValueError(f"speculative_config.acceptance_method = {self.acceptance_method!r}: "
+                             f"must be one of {ACCEPTANCE}")
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens = {k!r}: must be an int in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: a draft model folder is required for draft_model")
+        if self.method == "ngram":
+            if self.prompt_lookup_min < 1:
+                raise ValueError(f"speculative_config.prompt_lookup_min = {self.prompt_lookup_min}: must be >= 1")
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be "
+                                 f"<= prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size = {self.disable_by_batch_size}: "
+                             "must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"speculative_config.max_model_len = {self.max_model_len}: must be >= 1")
+        if not 0.0 <= self.posterior_threshold <= 1.0:
+            raise ValueError(f"speculative_config.posterior_threshold = {self.posterior_threshold}: "
+                             "must be in [0, 1]")
+        if not 0.0 <= self.posterior_alpha <= 1.0:
+            raise ValueError(f"speculative_config.posterior_alpha = {self.posterior_alpha}: must be in [0, 1]")

@@ -1,0 +1,169 @@
+"""One speculative round as one jitted, static-shaped function: draft -> verify -> accept -> rollback.
+
+Rows of the step: prefill chunks (and rows that don't speculate) as in the plain step, plus for each
+speculating slot K + 1 verify rows ``[last token, d_1 .. d_K]`` at positions ``L-1 .. L-1+K``. The
+host lays the verify rows out with their positions; the device fills in the drafts and turns the
+rows past a slot's own k into padding. Rollback is a length: the host moves ``num_computed`` by
+what was emitted, and K/V written past it is dead (never attended, overwritten later).
+
+Draft model: its cache uses the target's block tables. Every step feeds it the same prefill rows
+as the target, plus two rows per decode slot (positions L-2 and L-1; re-feeding L-2 rewrites the
+same bits, by row invariance), so after any outcome its cache is valid through L'-3 and the next
+round's first draft step completes it. Then ``lax.scan`` draws d_1 .. d_K one row per slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.sampling import gumbel_from_bits
+from sfjax import model, sampling
+from sfjax.cache import KVCache
+from sfjax.config import ModelConfig
+from sfjax.spec import accept, proposers
+from sfjax.step import DeviceState, StepBatch, record_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecBatch:
+    """The speculating slots of a step (S padded to a bucket; padding slot -1)."""
+    slots: jax.Array          # int32 [S]
+    length: jax.Array         # int32 [S] sequence length L (last token at L-1)
+    k: jax.Array              # int32 [S] drafts wanted this round (0: verify only the last token)
+    verify_row: jax.Array     # int32 [S] row of N holding position L-1; K drafts follow it
+    stop_ids: jax.Array       # int32 [S, B] tokens that end the sequence (-1 pad)
+    min_left: jax.Array       # int32 [S] emitted index from which stop tokens count
+    budget: jax.Array         # int32 [S] tokens the slot may still emit (max_tokens, max_model_len)
+    draft_tokens: jax.Array   # int32 [NA] draft model rows: prefill rows + (L-2, L-1) per slot
+    draft_positions: jax.Array
+    draft_slots: jax.Array
+    draft_last: jax.Array     # int32 [S] row of NA holding position L-1
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class RoundConfig:
+    method: str               # "draft_model" | "ngram"
+    acceptance: str
+    k_max: int
+    ngram_min: int = 1
+    ngram_max: int = 4
+    threshold: float = 0.09
+    alpha: float = 0.3
+
+
+def _rows(b: sampling.SamplingBatch, idx):
+    return jax.tree.map(lambda x: x[idx], b)
+
+
+def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: RoundConfig,
+                 dcfg: ModelConfig, row_tile: int, sampler: str):
+    """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
+    role = sampling.ROLE_DRAFT if rc.acceptance == "rejection_sampler" else sampling.ROLE_TARGET
+    s = spec.slots.shape[0]
+    sd = -(-s // row_tile) * row_tile                 # slot rows padded to whole tiles
+    grow = lambda x, fill: jnp.concatenate([x, jnp.full((sd - s, *x.shape[1:]), fill, x.dtype)])
+    slots, length, k = grow(spec.slots, -1), grow(spec.length, 0), grow(spec.k, 0)
+    live = slots >= 0
+    h, dcache = model.forward(dw, dcache, spec.draft_tokens, spec.draft_positions, spec.draft_slots,
+                              batch.block_tables, dcfg, row_tile)
+
+    def one(h_rows, j):
+        lg = model.logits(dw, h_rows, dcfg, row_tile)
+        b = _rows(batch.sampling, grow(jnp.arange(s) * (rc.k_max + 1) + j, 0))  # verify position j
+        d = sampling.draw(lg, b, history, sd, row_tile, False, sampler, role).tokens
+        logq = (sampling.log_probs(lg, b, history, sd, row_tile)
+                if rc.acceptance == "rejection_sampler" else jnp.zeros((sd, 1), jnp.float32))
+        return d, logq
+
+    d0, q0 = one(h[grow(spec.draft_last, 0)], 0)
+
+    def step(carry, j):
+        d_prev, dcache = carry
+        pos = jnp.where(live & (j < k), length - 1 + j, -1)
+        h, dcache = model.forward(dw, dcache, d_prev, pos, jnp.where(pos >= 0, slots, -1),
+                                  batch.block_tables, dcfg, row_tile)
+        d, logq = one(h, j)
+        return (d, dcache), (d, logq)
+
+    (_, dcache), (ds, qs) = lax.scan(step, (d0, dcache), jnp.arange(1, rc.k_max))
+    drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]                    # [S, K]
+    logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]      # [S, K, V or 1]
+    return drafts, logq, dcache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "rc", "row_tile", "sampler"),
+                   donate_argnames=("state", "draft_cache"))
+def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: StepBatch,
+              spec: SpecBatch, *, cfg: ModelConfig, dcfg: ModelConfig | None, rc: RoundConfig,
+              row_tile: int, sampler: str = "auto"):
+    """One round for every slot. DONATES ``state`` and ``draft_cache``.
+
+    Logit rows: the first S * (K + 1) are the verify rows, slot-major; the rest are the plain
+    step's (prefill completions, prompt logprobs). Returns (state, draft_cache, drawn [R],
+    accepted [S], tokens [S, K+1], emitted [S], drafted [S]).
+    """
+    k1 = rc.k_max + 1
+    s = spec.slots.shape[0]
+    live = spec.slots >= 0
+    history = record_tokens(state.history, batch.slots, batch.positions, batch.tokens)
+    vrows = _rows(batch.sampling, jnp.arange(s) * k1)                      # verify row j = 0
+    if rc.method == "ngram":
+        drafts, available = proposers.ngram(history, spec.slots, spec.length, rc.k_max,
+                                            rc.ngram_min, rc.ngram_max)
+        k = jnp.minimum(spec.k, available)
+        logq = jnp.where(jax.nn.one_hot(drafts, cfg.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
+    else:
+        drafts, logq, draft_cache = _draft_model(draft_weights, draft_cache, history, batch, spec,
+                                                 rc, dcfg, row_tile, sampler)
+        k = spec.k
+    k = jnp.where(live, k, 0)
+    # fill the verify rows: drafts past a slot's k become padding
+    j = jnp.arange(1, k1)[None, :]
+    rows = spec.verify_row[:, None] + j                                    # [S, K]
+    keep = live[:, None] & (j <= k[:, None])
+    rows = jnp.where(live[:, None], rows, batch.tokens.shape[0])
+    tokens = batch.tokens.at[rows].set(drafts, mode="drop")
+    positions = batch.positions.at[rows].set(jnp.where(keep, spec.length[:, None] - 1 + j, -1), mode="drop")
+    slots = batch.slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop")
+    history = record_tokens(history, slots, positions, tokens)
+    hidden, cache = model.forward(weights, state.cache, tokens, positions, slots,
+                                  batch.block_tables, cfg, row_tile)
+    logits = model.logits(weights, hidden[batch.logit_rows], cfg, row_tile, batch.num_logit_rows)
+    drawn = sampling.draw(logits, batch.sampling, history, batch.num_logit_rows, row_tile,
+                          batch.with_logprobs, sampler)
+    target = drawn.tokens[:s * k1].reshape(s, k1)
+    greedy = vrows.temperature == 0
+    if rc.acceptance == "exact":
+        accepted, out = accept.exact(drafts, target, k)
+    else:
+        logp = sampling.log_probs(logits[:s * k1], _rows(batch.sampling, jnp.arange(s * k1)), history,
+                                  s * k1, row_tile).reshape(s, k1, -1)
+        if rc.acceptance == "typical_acceptance_sampler":
+            accepted, out = accept.typical(drafts, target, logp, k, greedy, rc.threshold, rc.alpha)
+        else:
+            keys = vrows.key_data
+            pos = vrows.position[:, None] + jnp.arange(rc.k_max)[None, :]      # [S, K]
+            flat_keys = jnp.repeat(keys, rc.k_max, axis=0)
+            u = jax.vmap(lambda kd, t: jax.random.uniform(
+                sampling.draw_keys(kd[None], t[None], sampling.ROLE_ACCEPT)[0]))(flat_keys, pos.reshape(-1))
+            g = sampling.noise_bits(flat_keys, pos.reshape(-1), cfg.vocab_size, sampling.ROLE_RESIDUAL)
+            noise = gumbel_from_bits(g).reshape(s, rc.k_max, -1)
+            accepted, out = accept.rejection(drafts, logp, logq, u.reshape(s, rc.k_max), noise, target, k)
+        # report the logprobs of the tokens emitted, which may differ from the target's draws
+        flat = out.reshape(-1)
+        lp, rank, top_ids, top_lp = sampling.raw_logprobs(logits[:s * k1], flat, batch.with_logprobs)
+        drawn = sampling.Drawn(
+            tokens=drawn.tokens, logprob=drawn.logprob.at[:s * k1].set(lp),
+            rank=drawn.rank.at[:s * k1].set(rank), top_ids=drawn.top_ids.at[:s * k1].set(top_ids),
+            top_logprobs=drawn.top_logprobs.at[:s * k1].set(top_lp))
+    emitted = accept.truncate_at_stops(out, accepted, spec.stop_ids, spec.min_left, spec.budget)
+    emitted = jnp.where(live, emitted, 0)
+    return (DeviceState(cache=cache, history=history), draft_cache, drawn,
+            jnp.where(live, accepted, 0), out, emitted, k)
