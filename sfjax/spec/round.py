@@ -143,8 +143,8 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
     if rc.acceptance == "exact":
         accepted, out = accept.exact(drafts, target, k)
     else:
-        logp = sampling.log_probs(logits[:s * k1], _rows(batch.sampling, jnp.arange(s * k1)), history,
-                                  s * k1, row_tile).reshape(s, k1, -1)
+        logp = sampling.log_probs(logits, batch.sampling, history, s * k1, row_tile)[:s * k1]
+        logp = logp.reshape(s, k1, -1)
         if rc.acceptance == "typical_acceptance_sampler":
             accepted, out = accept.typical(drafts, target, logp, k, greedy, rc.threshold, rc.alpha)
         else:
