@@ -118,7 +118,9 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
         drafts, available = proposers.ngram(history, spec.slots, spec.length, rc.k_max,
                                             rc.ngram_min, rc.ngram_max)
         k = jnp.minimum(spec.k, available)
-        logq = jnp.where(jax.nn.one_hot(drafts, cfg.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
+        logq = None
+        if rc.acceptance == "rejection_sampler":      # a proposal is a point mass
+            logq = jnp.where(jax.nn.one_hot(drafts, cfg.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
     else:
         drafts, logq, draft_cache = _draft_model(draft_weights, draft_cache, history, batch, spec,
                                                  rc, dcfg, row_tile, sampler)
