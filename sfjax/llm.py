@@ -104,7 +104,12 @@ class LLM:
                     n_in += len(out.prompt_token_ids)
                     bar.update(1)
                     elapsed = max(time.monotonic() - start, 1e-9)
-                    bar.set_postfix_str(f"est. speed input: {n_in / elapsed:.2f} toks/s, "
-                                        f"output: {n_out / elapsed:.2f} toks/s")
+                    postfix = (f"est. speed input: {n_in / elapsed:.2f} toks/s, "
+                               f"output: {n_out / elapsed:.2f} toks/s")
+                    if self.engine.spec is not None:
+                        m = self.engine.spec.metrics
+                        postfix += (f", acceptance rate: {m.acceptance_rate:.2f}, "
+                                    f"mean acceptance length: {m.mean_acceptance_length:.2f}")
+                    bar.set_postfix_str(postfix)
         bar.close()
         return [done[i] for i in ids]

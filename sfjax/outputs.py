@@ -34,6 +34,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    spec_decode: dict | None = None       # this request's drafts / draft tokens / accepted tokens
 
 
 @dataclasses.dataclass

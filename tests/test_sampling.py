@@ -279,3 +279,34 @@ def test_processors_reach_the_engine(llm):
                                               logit_bias={42: 100.0}, presence_penalty=2.0,
                                               repetition_penalty=2.0), use_tqdm=False)[0].outputs[0]
     assert out.token_ids[0] == 42   # 42 is in neither prompt nor output before the first draw
+
+
+def test_logprobs_match_hf_log_softmax(llm, tiny_folder):
+    """logprobs and prompt_logprobs are of the raw logits: log_softmax of HF's, to 1e-4."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    prompt = _prompts(1, seed=9)[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0.7, top_k=20, seed=4, max_tokens=10, ignore_eos=True,
+                                              logprobs=5, prompt_logprobs=3), use_tqdm=False)[0]
+    ids = prompt["prompt_token_ids"] + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    p = len(prompt["prompt_token_ids"])
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == p
+    for i, entry in enumerate(out.prompt_logprobs[1:], 1):
+        assert ids[i] in entry and len(entry) >= 3
+        for tok, lp in entry.items():
+            assert abs(lp.logprob - ref[i - 1, tok]) < 1e-4
+        top3 = np.argsort(-ref[i - 1])[:3]
+        assert set(top3) <= set(entry)
+    total = 0.0
+    for j, entry in enumerate(out.outputs[0].logprobs):
+        tok = out.outputs[0].token_ids[j]
+        row = ref[p - 1 + j]
+        assert abs(entry[tok].logprob - row[tok]) < 1e-4
+        assert entry[tok].rank == 1 + int((row > row[tok]).sum())
+        assert set(np.argsort(-row)[:5]) <= set(entry)
+        total += entry[tok].logprob
+    assert abs(out.outputs[0].cumulative_logprob - total) < 1e-6

@@ -282,6 +282,9 @@ class Engine:
             req = plan[i].request
             n = int(emitted[r])
             spec.metrics.add(int(drafted[r]), min(int(accepted[r]), n))
+            if req.spec_metrics is None:
+                req.spec_metrics = speculation.SpecMetrics()
+            req.spec_metrics.add(int(drafted[r]), min(int(accepted[r]), n))
             req.num_computed = req.num_tokens - 1 + n        # rollback: a length, nothing else
             new = []
             for j in range(n):
@@ -457,7 +460,8 @@ class Engine:
         metrics = RequestMetrics(arrival_time=req.arrival_time,
                                  first_scheduled_time=req.first_scheduled_time,
                                  first_token_time=req.first_token_time,
-                                 finished_time=req.finished_time, num_preemptions=req.num_preemptions)
+                                 finished_time=req.finished_time, num_preemptions=req.num_preemptions,
+                                 spec_decode=req.spec_metrics.as_dict() if req.spec_metrics else None)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=list(req.prompt_token_ids), outputs=[completion],
                              prompt_logprobs=([None] + req.prompt_logprobs

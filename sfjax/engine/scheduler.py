@@ -39,6 +39,7 @@ class Request:
     prompt_logprobs: list = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     strategy_slot: int = 0          # the engine registry's slot (0: plain decoding)
+    spec_metrics: object | None = None
     certificate: object | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
