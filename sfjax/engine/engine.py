@@ -257,18 +257,22 @@ class Engine:
     def _spec_step(self, plan: list[Scheduled], spec_k: dict[int, int]) -> list[RequestOutput]:
         spec, k1 = self.spec, self.spec.k_max + 1
         order = sorted(spec_k)
-        n_slots = _bucket(max(len(order), 1), 1)
+        n_slots = self.config.max_num_seqs            # fixed: the composition never changes a shape
         tokens, positions, slots, verify_row = speculation.layout(plan, spec_k, spec.k_max)
         verify_meta = []
         for r in range(n_slots):
             req = plan[order[r]].request if r < len(order) else None
             verify_meta += [(req, -1, j) for j in range(k1)]
-        batch, meta = self._build_batch(plan, (tokens, positions, slots), verify_meta, set(order), k1)
+        batch, meta = self._build_batch(plan, (tokens, positions, slots), verify_meta, set(order), k1,
+                                        min_rows=n_slots * k1)
+        start = len(meta) - len(verify_meta)
         decode = {i for i, s in enumerate(plan) if self._is_decode(s)}
-        draft = speculation.draft_rows(plan, decode)
+        draft = (speculation.draft_rows(plan, decode) if spec.draft_cfg is not None
+                 else ([], [], [], {}))                 # n-gram: no draft model to feed
         stops = {i: self._stop_rule(plan[i].request) for i in order}
         sb = speculation.spec_batch(plan, spec_k, verify_row, draft, stops, n_slots,
-                                    _bucket(max(len(draft[0]), 1), self.config.row_tile))
+                                    _bucket(max(len(draft[0]), 2 * n_slots if draft[0] else 1),
+                                            self.config.row_tile), start)
         self.state, spec.draft_cache, drawn, accepted, out, emitted, drafted = spec_step(
             self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb, cfg=self.cfg,
             dcfg=spec.draft_cfg, rc=spec.round, row_tile=self.config.row_tile,
@@ -281,22 +285,22 @@ class Engine:
         for r, i in enumerate(order):
             req = plan[i].request
             n = int(emitted[r])
-            spec.metrics.add(int(drafted[r]), min(int(accepted[r]), n))
-            if req.spec_metrics is None:
-                req.spec_metrics = speculation.SpecMetrics()
-            req.spec_metrics.add(int(drafted[r]), min(int(accepted[r]), n))
             req.num_computed = req.num_tokens - 1 + n        # rollback: a length, nothing else
             new = []
             for j in range(n):
                 token = int(out[r, j])
-                lp = self._logprob_entry(req, drawn, r * k1 + j, -1, token)
+                lp = self._logprob_entry(req, drawn, start + r * k1 + j, -1, token)
                 result = self._append(req, token, lp)
                 new.append(token)
-                if result.finished:
+                if result.finished:                          # a stop string may end it early
                     break
-            result.new_token_ids = new
-            outputs.append(result)
-        return outputs + self._read_rows(meta, drawn, len(verify_meta))
+            # accepted drafts count only as far as they were emitted
+            if req.spec_metrics is None:
+                req.spec_metrics = speculation.SpecMetrics()
+            for m in (spec.metrics, req.spec_metrics):
+                m.add(int(drafted[r]), min(int(accepted[r]), len(new)))
+            outputs.append(self.output(req, new_token_ids=new))
+        return self._read_rows(meta[:start], drawn, 0) + outputs
 
     def _stop_rule(self, req: Request) -> tuple[list[int], int, int]:
         """(stop token ids, index from which they count, tokens left) for the device."""
@@ -325,13 +329,15 @@ class Engine:
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def _build_batch(self, plan: list[Scheduled], rows=None, head: list | None = None,
-                     verify: set[int] = frozenset(), k1: int = 1) -> tuple[StepBatch, list]:
+    def _build_batch(self, plan: list[Scheduled], rows=None, tail: list | None = None,
+                     verify: set[int] = frozenset(), k1: int = 1, min_rows: int = 0) -> tuple[StepBatch, list]:
         """Packs the plan's rows; returns the batch and per logit row (request, prompt position
         whose next token's logprob it reports or -1 for a draw, offset of a verify row).
 
-        ``rows`` overrides the token layout; the ``head`` logit rows come first: a round's verify
-        rows, ``k1`` per entry in ``verify`` (slot-major, padded), given as (request, -1, j).
+        ``rows`` overrides the token layout; the ``tail`` logit rows come last: a round's verify
+        rows, ``k1`` per entry in ``verify`` (slot-major, then padding slots), given as
+        (request, -1, j). Trailing padding costs nothing: whole tiles past the real rows are skipped.
+        At least ``min_rows`` rows are laid out, so a round's shape does not follow its composition.
         """
         tile = self.config.row_tile
         tokens, positions, slots = rows if rows is not None else speculation.layout(plan, {}, 0)[:3]
@@ -349,18 +355,19 @@ class Engine:
             if s.draws:
                 logit_rows.append((row + s.count - 1, (req, -1, 0)))
             row += s.count
-        head = head or []
-        all_rows = verify_rows + [0] * (len(head) - len(verify_rows)) + [r for r, _ in logit_rows]
-        meta = list(head) + [m for _, m in logit_rows]
+        tail = tail or []
+        all_rows = [r for r, _ in logit_rows] + verify_rows + [0] * (len(tail) - len(verify_rows))
+        meta = [m for _, m in logit_rows] + list(tail)
+        real = len(logit_rows) + len(verify_rows)
         r = _bucket(max(len(meta), 1), tile)
         logprobs = any(req is not None and (req.params.logprobs is not None or pos >= 0)
                        for req, pos, _ in meta)
+        n = _bucket(max(len(tokens), min_rows), tile)
         batch = StepBatch(
-            tokens=speculation.pad(tokens, _bucket(len(tokens), tile), 0),
-            positions=speculation.pad(positions, _bucket(len(tokens), tile), -1),
-            slots=speculation.pad(slots, _bucket(len(tokens), tile), -1),
+            tokens=speculation.pad(tokens, n, 0), positions=speculation.pad(positions, n, -1),
+            slots=speculation.pad(slots, n, -1),
             block_tables=self.block_tables.copy(), logit_rows=speculation.pad(all_rows, r, 0),
-            num_logit_rows=np.int32(len(meta)), with_logprobs=np.bool_(logprobs),
+            num_logit_rows=np.int32(real), with_logprobs=np.bool_(logprobs),
             sampling=self._sampling_batch(meta, r))
         return batch, meta
 

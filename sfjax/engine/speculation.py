@@ -147,7 +147,8 @@ def pad(values: list[int], n: int, fill: int) -> np.ndarray:
     return out
 
 
-def spec_batch(plan, spec_k, verify_row, draft, stops, n_slots: int, n_draft: int) -> SpecBatch:
+def spec_batch(plan, spec_k, verify_row, draft, stops, n_slots: int, n_draft: int,
+               verify_start: int) -> SpecBatch:
     """stops: per speculating entry (stop ids, min_left, budget)."""
     order = sorted(spec_k)
     s = n_slots
@@ -163,4 +164,5 @@ def spec_batch(plan, spec_k, verify_row, draft, stops, n_slots: int, n_draft: in
         stop_ids=stop_ids, min_left=pad([stops[i][1] for i in order], s, 0),
         budget=pad([stops[i][2] for i in order], s, 0),
         draft_tokens=pad(d_tokens, n_draft, 0), draft_positions=pad(d_pos, n_draft, -1),
-        draft_slots=pad(d_slots, n_draft, -1), draft_last=pad([d_last.get(i, 0) for i in order], s, 0))
+        draft_slots=pad(d_slots, n_draft, -1), draft_last=pad([d_last.get(i, 0) for i in order], s, 0),
+        verify_start=np.int32(verify_start))

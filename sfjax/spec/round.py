@@ -44,6 +44,7 @@ class SpecBatch:
     draft_positions: jax.Array
     draft_slots: jax.Array
     draft_last: jax.Array     # int32 [S] row of NA holding position L-1
+    verify_start: jax.Array   # int32 scalar: the first verify logit row (they come last)
 
 
 @jax.tree_util.register_static
@@ -75,10 +76,11 @@ def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: Rou
                               batch.block_tables, dcfg, row_tile)
 
     def one(h_rows, j):
-        lg = model.logits(dw, h_rows, dcfg, row_tile)
-        b = _rows(batch.sampling, grow(jnp.arange(s) * (rc.k_max + 1) + j, 0))  # verify position j
-        d = sampling.draw(lg, b, history, sd, row_tile, False, sampler, role).tokens
-        logq = (sampling.log_probs(lg, b, history, sd, row_tile)
+        lg = model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live))
+        b = _rows(batch.sampling, spec.verify_start + grow(jnp.arange(s) * (rc.k_max + 1) + j, 0))
+        n = jnp.sum(live)                                # live slots come first
+        d = sampling.draw(lg, b, history, n, row_tile, False, sampler, role).tokens
+        logq = (sampling.log_probs(lg, b, history, n, row_tile)
                 if rc.acceptance == "rejection_sampler" else jnp.zeros((sd, 1), jnp.float32))
         return d, logq
 
@@ -105,15 +107,16 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
               row_tile: int, sampler: str = "auto"):
     """One round for every slot. DONATES ``state`` and ``draft_cache``.
 
-    Logit rows: the first S * (K + 1) are the verify rows, slot-major; the rest are the plain
-    step's (prefill completions, prompt logprobs). Returns (state, draft_cache, drawn [R],
+    Logit rows: the plain step's (prefill completions, prompt logprobs), then from
+    ``spec.verify_start`` the S * (K + 1) verify rows, slot-major, live slots first. Returns (state, draft_cache, drawn [R],
     accepted [S], tokens [S, K+1], emitted [S], drafted [S]).
     """
     k1 = rc.k_max + 1
     s = spec.slots.shape[0]
     live = spec.slots >= 0
     history = record_tokens(state.history, batch.slots, batch.positions, batch.tokens)
-    vrows = _rows(batch.sampling, jnp.arange(s) * k1)                      # verify row j = 0
+    start = spec.verify_start
+    vrows = _rows(batch.sampling, start + jnp.arange(s) * k1)              # verify row j = 0
     if rc.method == "ngram":
         drafts, available = proposers.ngram(history, spec.slots, spec.length, rc.k_max,
                                             rc.ngram_min, rc.ngram_max)
@@ -140,13 +143,13 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
     logits = model.logits(weights, hidden[batch.logit_rows], cfg, row_tile, batch.num_logit_rows)
     drawn = sampling.draw(logits, batch.sampling, history, batch.num_logit_rows, row_tile,
                           batch.with_logprobs, sampler)
-    target = drawn.tokens[:s * k1].reshape(s, k1)
+    target = lax.dynamic_slice(drawn.tokens, (start,), (s * k1,)).reshape(s, k1)
     greedy = vrows.temperature == 0
     if rc.acceptance == "exact":
         accepted, out = accept.exact(drafts, target, k)
     else:
-        logp = sampling.log_probs(logits, batch.sampling, history, s * k1, row_tile)[:s * k1]
-        logp = logp.reshape(s, k1, -1)
+        logp = sampling.log_probs(logits, batch.sampling, history, batch.num_logit_rows, row_tile)
+        logp = lax.dynamic_slice_in_dim(logp, start, s * k1).reshape(s, k1, -1)
         if rc.acceptance == "typical_acceptance_sampler":
             accepted, out = accept.typical(drafts, target, logp, k, greedy, rc.threshold, rc.alpha)
         else:
@@ -160,11 +163,11 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
             accepted, out = accept.rejection(drafts, logp, logq, u.reshape(s, rc.k_max), noise, target, k)
         # report the logprobs of the tokens emitted, which may differ from the target's draws
         flat = out.reshape(-1)
-        lp, rank, top_ids, top_lp = sampling.raw_logprobs(logits[:s * k1], flat, batch.with_logprobs)
-        drawn = sampling.Drawn(
-            tokens=drawn.tokens, logprob=drawn.logprob.at[:s * k1].set(lp),
-            rank=drawn.rank.at[:s * k1].set(rank), top_ids=drawn.top_ids.at[:s * k1].set(top_ids),
-            top_logprobs=drawn.top_logprobs.at[:s * k1].set(top_lp))
+        rows = lax.dynamic_slice_in_dim(logits, start, s * k1)
+        new = sampling.raw_logprobs(rows, flat, batch.with_logprobs)
+        put = lambda old, v: lax.dynamic_update_slice_in_dim(old, v.astype(old.dtype), start, 0)
+        drawn = sampling.Drawn(drawn.tokens, *[put(o, v) for o, v in zip(
+            (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs), new)])
     emitted = accept.truncate_at_stops(out, accepted, spec.stop_ids, spec.min_left, spec.budget)
     emitted = jnp.where(live, emitted, 0)
     return (DeviceState(cache=cache, history=history), draft_cache, drawn,

@@ -1,0 +1,30 @@
+"""A round is compiled once per shape bucket: changing the batch's composition, per-row k, opt-outs
+or sampling parameters does not recompile it."""
+
+import numpy as np
+
+from sfjax import LLM, SamplingParams, toy
+from sfjax.spec.round import spec_step
+
+
+def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
+    target = model_folder(toy.tiny_config(), seed=0, std=0.1)
+    llm = LLM(target, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    rng = np.random.default_rng(0)
+    seg = rng.integers(2, 500, 6).tolist()
+    prompts = [{"prompt_token_ids": seg * 3 + rng.integers(2, 500, 3).tolist()} for _ in range(4)]
+
+    def run(params):
+        llm.generate(prompts, params, use_tqdm=False)
+
+    run(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))       # warm up the buckets
+    warm = spec_step._cache_size()
+    # other rows' k (max_tokens limits it near the end), opt-outs, sampling modes, stop tokens
+    run([SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(4)])
+    run([SamplingParams(temperature=1.0, seed=i, top_p=0.9, max_tokens=12, ignore_eos=True,
+                        disable_spec_decode=i % 2 == 1) for i in range(4)])
+    run([SamplingParams(temperature=0.7, seed=i, max_tokens=10, stop_token_ids=[3], min_tokens=2,
+                        presence_penalty=0.5) for i in range(4)])
+    assert spec_step._cache_size() == warm
+    assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
