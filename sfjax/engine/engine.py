@@ -166,8 +166,7 @@ class Engine:
         if not cert.covers(params.spec_exactness, params.greedy):
             mode = "greedy" if params.greedy else "sampled (gumbel)"
             raise ValueError(f"spec_exactness: {params.spec_exactness!r} demanded, but {cert.strategy} is "
-                             f"certified {cert.exactness} for {', '.join(cert.sampling_modes)} only "
-                             f"(this request is {mode})")
+                             f"certified {cert.class_for(params.greedy)} for {mode} requests")
         return slot
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:

@@ -13,16 +13,29 @@ CLASSES = ("lossy", "distribution-exact", "path-exact")
 
 @dataclasses.dataclass(frozen=True)
 class Certificate:
-    strategy: str                       # "draft_model/exact", "ngram/typical_acceptance_sampler", ...
-    exactness: str                      # one of CLASSES
-    sampling_modes: tuple[str, ...]     # "greedy", "gumbel": the modes the class holds for
+    """What a strategy is granted: an exactness class per sampling mode it is certified for
+    ("greedy": temperature 0; "gumbel": Gumbel-max sampling)."""
+    strategy: str                              # "draft_model/exact", "ngram/typical_acceptance_sampler", ...
+    modes: tuple[tuple[str, str], ...]         # ((mode, class), ...)
+
+    @property
+    def exactness(self) -> str:
+        """The class it holds in every certified mode (the weakest)."""
+        return min((c for _, c in self.modes), key=CLASSES.index)
+
+    @property
+    def sampling_modes(self) -> tuple[str, ...]:
+        return tuple(m for m, _ in self.modes)
+
+    def class_for(self, greedy: bool) -> str | None:
+        return dict(self.modes).get("greedy" if greedy else "gumbel")
 
     def covers(self, demanded: str | None, greedy: bool) -> bool:
-        """Whether a request with this demand and mode gets at least the demanded class."""
+        """Whether a request with this demand and sampling mode gets at least the demanded class."""
         if demanded is None:
             return True
-        mode = "greedy" if greedy else "gumbel"
-        return mode in self.sampling_modes and CLASSES.index(self.exactness) >= CLASSES.index(demanded)
+        got = self.class_for(greedy)
+        return got is not None and CLASSES.index(got) >= CLASSES.index(demanded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +51,14 @@ class Strategy:
 
 
 _RULES = {
-    "exact": ("path-exact", ("greedy", "gumbel")),
-    "rejection_sampler": ("distribution-exact", ("greedy", "gumbel")),
-    # Medusa's typical acceptance equals plain decoding only at temperature 0.
-    "typical_acceptance_sampler": ("lossy", ("greedy",)),
+    "exact": (("greedy", "path-exact"), ("gumbel", "path-exact")),
+    # greedy rows under rejection sampling accept exactly the target's argmax
+    "rejection_sampler": (("greedy", "path-exact"), ("gumbel", "distribution-exact")),
+    # Medusa's typical acceptance equals plain decoding at temperature 0 only
+    "typical_acceptance_sampler": (("greedy", "path-exact"), ("gumbel", "lossy")),
 }
 
-PLAIN = Certificate("none", "path-exact", ("greedy", "gumbel"))
+PLAIN = Certificate("none", (("greedy", "path-exact"), ("gumbel", "path-exact")))
 
 # What this engine's step gives every backend: it verifies all k+1 positions in one target
 # forward and rolls back by moving a length, so any accepted prefix is kept.
@@ -66,8 +80,7 @@ class Registry:
             raise ValueError(f"{strategy.name}: refused, the backend cannot verify at every drafted position")
         if strategy.needs_partial_rollback and not self.capabilities.get("partial_rollback"):
             raise ValueError(f"{strategy.name}: refused, the backend cannot roll back partially")
-        exactness, modes = _RULES[strategy.acceptance]
-        self.slots.append(Certificate(strategy.name, exactness, modes))
+        self.slots.append(Certificate(strategy.name, _RULES[strategy.acceptance]))
         return len(self.slots) - 1
 
     def lookup(self, name: str) -> int:

@@ -1,0 +1,67 @@
+"""Shared models and engines for the speculative-decoding equality matrix.
+
+Every engine here has the same geometry (max_num_seqs, max_model_len, row_tile), so engines with
+the same model shapes and the same speculation settings reuse one another's compiled steps: the
+draft folders "same", "near" and "other" share the tiny config, and differ only in weights.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from sfjax import LLM, toy
+from sfjax import weights as W
+from spec_util import GEOMETRY
+
+# A draft larger than the target: deeper and wider, other head geometry, same vocabulary.
+LARGER = toy.tiny_config(num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=3,
+                         intermediate_size=192)
+
+
+@pytest.fixture(scope="session")
+def drafts(tiny_folder, model_folder, tmp_path_factory):
+    """Draft folders by name: "same" (the target itself), "near" (the target's weights plus 5%
+    noise: partial acceptance), "other" (another seed: almost nothing accepted), "larger"."""
+    cfg = toy.tiny_config()
+    target = W.load_hf(tiny_folder, cfg)
+    rng = np.random.default_rng(1234)
+
+    def jitter(x):
+        x = np.asarray(x)
+        if x.ndim < 2:
+            return x
+        return (x + 0.05 * x.std() * rng.standard_normal(x.shape)).astype(x.dtype)
+
+    near = dataclasses.replace(target, **{f.name: jitter(getattr(target, f.name))
+                                          for f in dataclasses.fields(target)
+                                          if getattr(target, f.name) is not None})
+    near_path = toy.build_model_folder(str(tmp_path_factory.mktemp("near-draft")), cfg, weights=near)
+    return {"same": tiny_folder, "near": near_path,
+            "other": model_folder(toy.tiny_config(), seed=1, std=0.1),
+            "larger": model_folder(LARGER, seed=2, std=0.1)}
+
+
+@pytest.fixture(scope="session")
+def plain_llm(tiny_folder):
+    """The reference: plain decoding, no speculative_config."""
+    return LLM(tiny_folder, **GEOMETRY)
+
+
+@pytest.fixture(scope="session")
+def spec_llm(tiny_folder, drafts):
+    """``spec_llm(draft="near", k=3, method="draft_model", block_size=16, folder=None, **spec)``:
+    one engine per distinct argument set for the whole session."""
+    built = {}
+
+    def make(draft="near", k=3, method="draft_model", block_size=16, folder=None, **spec):
+        key = (draft, k, method, block_size, folder, tuple(sorted(spec.items())))
+        if key not in built:
+            config = {"method": method, "num_speculative_tokens": k, **spec}
+            if method == "draft_model":
+                config["model"] = drafts[draft]
+            built[key] = LLM(folder or tiny_folder, block_size=block_size, speculative_config=config,
+                             **GEOMETRY)
+        return built[key]
+
+    return make
