@@ -64,3 +64,19 @@ def test_typical_acceptance_is_greedy_at_temperature_0_and_refused_for_exactness
     assert out[1].certificate.strategy == "none"
     with pytest.raises(ValueError, match="not granted"):
         llm.generate(_prompts(1)[0], SamplingParams(spec_strategy="ngram/exact"), use_tqdm=False)
+
+
+def test_registration_is_refused_where_the_backend_cannot_hold_the_class():
+    from sfjax.spec.registry import Registry, Strategy
+
+    ok = Registry()
+    slot = ok.register(Strategy("ngram", "exact"))
+    assert ok.slots[slot].covers("path-exact", greedy=False)
+    with pytest.raises(ValueError, match="verify at every drafted position"):
+        Registry({"every_position": False, "partial_rollback": True}).register(Strategy("ngram", "exact"))
+    with pytest.raises(ValueError, match="roll back partially"):
+        Registry({"every_position": True, "partial_rollback": False}).register(
+            Strategy("draft_model", "rejection_sampler"))
+    typical = ok.slots[ok.register(Strategy("draft_model", "typical_acceptance_sampler"))]
+    assert typical.covers("path-exact", greedy=True) and not typical.covers("distribution-exact", greedy=False)
+    assert typical.covers("lossy", greedy=False)
