@@ -10,6 +10,12 @@ _CACHE_DIR = tempfile.mkdtemp(prefix="sfjax-jit-cache-")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# On XLA:CPU the persistent cache stays off: every compiled step is reused from jit's in-memory
+# cache within the run anyway; serializing one of the round's executables segfaulted in a CI run
+# (jaxlib 0.10.2, in put_executable_and_time), and XLA:CPU's AOT loader rejects entries on reload
+# (jax-ml/jax#38445), so it only cost time. On a GPU or TPU it caches across the run as usual.
+if jax.default_backend() == "cpu":
+    jax.config.update("jax_enable_compilation_cache", False)
 
 from sfjax import toy  # noqa: E402
 
