@@ -40,3 +40,12 @@ def model_folder(tmp_path_factory):
 def tiny_folder(model_folder):
     """The default tiny test model: vocab 512, 2 layers, GQA 4/2, float32."""
     return model_folder(toy.tiny_config(), seed=0, std=0.1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_steps():
+    """Drops compiled executables after each test module. Each XLA:CPU executable holds its own
+    memory mappings; hundreds of them in one process crashed the compiler near the end of the
+    suite (the kernel's vm.max_map_count is 65530), while each module alone passes."""
+    yield
+    jax.clear_caches()
