@@ -1,15 +1,24 @@
-"""Paged attention over a ragged batch of query tokens.
+"""Paged attention over a ragged batch of query tokens: a pure-jnp reference and a Pallas kernel.
 
 Every query token carries its sequence's slot (which block-table row to read) and its position;
 it attends causally to keys ``0..position`` of that slot. Prefill chunks, decode tokens and the
 k+1 tokens of a speculative verify are all the same thing here: rows with positions.
 
 Row invariance (the exactness contract, DESIGN §1.2): a row's output bits must not depend on the
-rows around it or on how many there are. So rows are processed in fixed tiles of ``row_tile``
-(``pallas_kernels.rows.per_tile``), and keys in fixed chunks of ``KEY_CHUNK`` in
-ascending order with an online softmax. A chunk past a row's position changes nothing exactly
-(alpha = exp(0) = 1, p = 0), so the number of chunks a tile needs (its longest row) and the
-block size of the pages do not reach a row's bits.
+rows around it or on how many there are. So keys are processed in fixed chunks of ``KEY_CHUNK``
+in ascending order with an online softmax, and rows in fixed shapes:
+- the reference runs fixed tiles of ``row_tile`` rows (``pallas_kernels.rows.per_tile``);
+- the kernel groups each slot's consecutive rows into query blocks of ``block_q`` rows (the
+  ragged paged attention design: a block's rows share every page they read) and computes a
+  block as fixed-shape [block_q * G, D] x [D, chunk] products, one row per product row.
+A chunk past a row's position changes nothing exactly (alpha = exp(0) = 1, p = 0), so the number
+of chunks a tile or block needs (its longest row) and the block size of the pages (up to
+``KEY_CHUNK`` tokens) do not reach a row's bits.
+
+Backends (``paged_attention(impl=...)``): TPU through Mosaic (page tables and block metadata
+scalar-prefetched into SMEM, K/V pages left in HBM and DMA'd chunk by chunk into a double
+buffer), GPU through the Pallas Triton lowering (no scalar prefetch or scratch there: the tables
+are read as plain refs and the pages gathered by pointer), CPU through the reference.
 """
 
 from __future__ import annotations
@@ -19,10 +28,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.rows import num_tiles_of, per_tile
 
 KEY_CHUNK = 64
+IMPLS = ("auto", "reference", "interpret", "triton", "mosaic_tpu")
 
 
 def _tile(q, positions, slots, *, k_cache, v_cache, layer, block_tables, sm_scale):
@@ -83,3 +95,247 @@ def paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots, p
     out = per_tile(tile, row_tile, num_tiles_of(positions >= 0, row_tile),
                    q.reshape(n, kvh, h // kvh, d), positions, slots)
     return out.reshape(n, h, d)
+
+
+# ------------------------------------------------------------------------------------------
+# the kernel
+
+
+def _online_step(q, k, v, valid, carry, sm_scale):
+    """One key chunk of the online softmax, the math both kernels share.
+
+    q [R, D] f32; k, v [C, D] f32 (v zero where no row of the block may read it); valid [R, C];
+    carry (m [R, 1], l [R, 1], acc [R, D]).
+    """
+    m, l, acc = carry
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = jnp.where(valid, s * sm_scale, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe)
+    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    acc = alpha * acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
+def _init(rows, d):
+    return (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, d), jnp.float32))
+
+
+def _finish(l, acc):
+    return acc / jnp.where(l == 0, 1.0, l)
+
+
+def _gpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
+                sm_scale, chunk, max_blocks):
+    # meta_ref: [2] (layer, number of blocks); slot_ref, last_ref: [NB] each block's slot and
+    # last position; tables_ref: [max_seqs * max_blocks]; pos_ref: [R, 1] each row's position
+    # (-1: padding); q_ref, o_ref: [R, D] (one KV head's rows of one block: block_q * G rows
+    # padded to a power of two >= 16);
+    # k_ref, v_ref: [layers, pages, block_size, KVH, D], whole (Triton takes them as pointers).
+    b, h = pl.program_id(0), pl.program_id(1)
+    block_size = k_ref.shape[2]
+
+    @pl.when(b < meta_ref[1])
+    def _():
+        layer, slot, last = meta_ref[0], slot_ref[b], last_ref[b]
+        q = q_ref[...].astype(jnp.float32)
+        rowpos = pos_ref[...]
+
+        def body(c, carry):
+            kpos = c * chunk + lax.iota(jnp.int32, chunk)                        # [C]
+            page = tables_ref[slot * max_blocks + jnp.minimum(kpos // block_size, max_blocks - 1)]
+            off = kpos % block_size
+            k = k_ref[layer, page, off, h, :].astype(jnp.float32)                # [C, D]
+            v = v_ref[layer, page, off, h, :].astype(jnp.float32)
+            v = jnp.where((kpos <= last)[:, None], v, 0.0)
+            return _online_step(q, k, v, kpos[None, :] <= rowpos, carry, sm_scale)
+
+        _, l, acc = lax.fori_loop(0, last // chunk + 1, body, _init(*q.shape))
+        o_ref[...] = _finish(l, acc)
+
+
+def _tpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_hbm, v_hbm, o_ref,
+                kbuf, vbuf, sem, m_ref, l_ref, acc_ref, *, sm_scale, chunk, max_blocks, kvh):
+    # Scalar prefetch (SMEM): meta_ref [2] (layer, number of blocks), slot_ref, last_ref [NB],
+    # tables_ref [max_seqs * max_blocks]. pos_ref: [R, 1]; q_ref, o_ref: [KVH, R, D] one block;
+    # k_hbm, v_hbm: [layers, pages, block_size * KVH, D] in HBM (a page's rows are token-major,
+    # head-minor); kbuf, vbuf: [2, chunk * KVH, D] the double buffer; sem: DMA [2];
+    # m_ref, l_ref: [KVH, R, 1] and acc_ref [KVH, R, D] the online-softmax state.
+    b = pl.program_id(0)
+    page_rows = k_hbm.shape[2]
+    pages_per_chunk = chunk * kvh // page_rows
+
+    def copies(c, buf):
+        """The DMAs of chunk ``c``'s pages into buffer ``buf`` (start them, or wait on them)."""
+        out = []
+        for p in range(pages_per_chunk):
+            col = jnp.minimum(c * pages_per_chunk + p, max_blocks - 1)
+            page = tables_ref[slot_ref[b] * max_blocks + col]
+            dst = pl.ds(p * page_rows, page_rows)
+            for hbm, vmem in ((k_hbm, kbuf), (v_hbm, vbuf)):
+                out.append(pltpu.make_async_copy(hbm.at[meta_ref[0], page], vmem.at[buf, dst],
+                                                 sem.at[buf]))
+        return out
+
+    @pl.when(b < meta_ref[1])
+    def _():
+        last = last_ref[b]
+        n_chunks = last // chunk + 1
+        for cp in copies(0, 0):
+            cp.start()
+        rows, d = q_ref.shape[1:]
+        m0, l0, acc0 = _init(rows, d)
+        for h in range(kvh):
+            m_ref[h], l_ref[h], acc_ref[h] = m0, l0, acc0
+        rowpos = pos_ref[...]
+
+        @pl.loop(0, n_chunks)
+        def _(c):
+            buf = c % 2
+            for cp in copies(c, buf):
+                cp.wait()
+
+            @pl.when(c + 1 < n_chunks)
+            def _():
+                for cp in copies(c + 1, 1 - buf):
+                    cp.start()
+
+            kpos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+            vmask = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) <= last
+            for h in range(kvh):
+                keys = pl.ds(h, chunk, stride=kvh)
+                k = kbuf[buf, keys, :].astype(jnp.float32)
+                v = jnp.where(vmask, vbuf[buf, keys, :].astype(jnp.float32), 0.0)
+                m_ref[h], l_ref[h], acc_ref[h] = _online_step(
+                    q_ref[h].astype(jnp.float32), k, v, kpos <= rowpos,
+                    (m_ref[h], l_ref[h], acc_ref[h]), sm_scale)
+
+        for h in range(kvh):
+            o_ref[h] = _finish(l_ref[h], acc_ref[h])
+
+
+def _query_blocks(slots, positions, block_q):
+    """Groups rows into query blocks: runs of consecutive valid rows of one slot, cut every
+    ``block_q`` rows. Returns (block [N] (N for padding rows), offset in block [N], slot of each
+    block [N], last position of each block [N], number of blocks)."""
+    n = slots.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    valid = (slots >= 0) & (positions >= 0)
+    shift = lambda x, fill: jnp.concatenate([jnp.full((1,), fill, x.dtype), x[:-1]])
+    run = valid & (~shift(valid, False) | (slots != shift(slots, -1)))
+    run_first = lax.cummax(jnp.where(run, idx, 0))
+    start = valid & (run | ((idx - run_first) % block_q == 0))
+    first = lax.cummax(jnp.where(start, idx, 0))
+    block = jnp.where(valid, jnp.cumsum(start, dtype=jnp.int32) - 1, n)
+    block_slot = jnp.zeros(n, jnp.int32).at[block].set(slots, mode="drop")
+    block_last = jnp.full(n, -1, jnp.int32).at[block].max(positions, mode="drop")
+    return block, idx - first, block_slot, block_last, jnp.sum(start, dtype=jnp.int32)
+
+
+def _call_triton(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blocks, interpret):
+    """The GPU kernel over query blocks. scalars: (meta, block slot, block last, flat tables);
+    pos [NB, R, 1]; qb [NB, KVH, R, D]. Returns [NB, KVH, R, D] float32."""
+    from jax.experimental.pallas import triton as pltriton
+
+    nb, kvh, rows, d = qb.shape
+    whole = pl.BlockSpec()
+    block = pl.BlockSpec((None, None, rows, d), lambda b, j: (b, j, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_gpu_kernel, sm_scale=sm_scale, chunk=chunk, max_blocks=max_blocks),
+        grid=(nb, kvh),
+        in_specs=[whole] * 4 + [pl.BlockSpec((None, rows, 1), lambda b, j: (b, 0, 0)), block,
+                                whole, whole],
+        out_specs=block, out_shape=jax.ShapeDtypeStruct(qb.shape, jnp.float32),
+        interpret=interpret, name="sfjax_paged_attention",
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=2),
+    )(*scalars, pos, qb, k_cache, v_cache)
+
+
+def _call_tpu(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blocks, interpret):
+    """The TPU kernel over query blocks: the same arguments and result as ``_call_triton``."""
+    nb, kvh, rows, d = qb.shape
+    page_rows = k_cache.shape[2] * kvh
+    kv = lambda c: c.reshape(*c.shape[:2], page_rows, d)                    # a free reshape
+    block = pl.BlockSpec((None, kvh, rows, d), lambda b, *_: (b, 0, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4, grid=(nb,),
+        in_specs=[pl.BlockSpec((None, rows, 1), lambda b, *_: (b, 0, 0)), block,
+                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=block,
+        scratch_shapes=[pltpu.VMEM((2, chunk * kvh, d), k_cache.dtype),
+                        pltpu.VMEM((2, chunk * kvh, d), v_cache.dtype),
+                        pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.VMEM((kvh, rows, 1), jnp.float32),
+                        pltpu.VMEM((kvh, rows, 1), jnp.float32),
+                        pltpu.VMEM((kvh, rows, d), jnp.float32)])
+    return pl.pallas_call(
+        functools.partial(_tpu_kernel, sm_scale=sm_scale, chunk=chunk, max_blocks=max_blocks,
+                          kvh=kvh),
+        grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(qb.shape, jnp.float32),
+        interpret=interpret, name="sfjax_paged_attention",
+        compiler_params=None if interpret else pltpu.CompilerParams(
+            dimension_semantics=("parallel",)),
+    )(*scalars, pos, qb, kv(k_cache), kv(v_cache))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "interpret", "block_q",
+                                             "key_chunk"))
+def paged_attention_kernel(q, k_cache, v_cache, layer, block_tables, slots, positions, *,
+                           sm_scale: float, backend: str = "triton", interpret: bool = False,
+                           block_q: int = 8, key_chunk: int = KEY_CHUNK):
+    """The Pallas kernel: the reference's arguments and result (N need not be a multiple of
+    anything), to 1e-6 in float32.
+
+    ``backend``: "triton" (GPU; grid (query blocks, KV heads), pages gathered by pointer) or
+    "mosaic_tpu" (grid (query blocks,), all KV heads per program, pages DMA'd from HBM).
+    ``interpret`` runs either in Pallas' interpreter. ``block_q``: query rows of one slot per
+    block; ``key_chunk``: keys per online-softmax step (at least one page). Both fix a row's
+    arithmetic, so an engine keeps them constant.
+    """
+    call = {"triton": _call_triton, "mosaic_tpu": _call_tpu}.get(backend)
+    if call is None:
+        raise ValueError(f"kernel backend must be triton or mosaic_tpu; got {backend!r}")
+    n, h, d = q.shape
+    _, _, block_size, kvh, _ = k_cache.shape
+    g = h // kvh
+    max_seqs, max_blocks = block_tables.shape
+    rows = block_q * g
+    # Triton wants power-of-two shapes and a dot of at least 16 rows: pad with padding rows
+    rows_k = rows if backend != "triton" else max(16, 1 << (rows - 1).bit_length())
+    block, offset, block_slot, block_last, num_blocks = _query_blocks(slots, positions, block_q)
+    qb = jnp.zeros((n, block_q, kvh, g, d), q.dtype).at[block, offset].set(
+        q.reshape(n, kvh, g, d), mode="drop")
+    qb = qb.transpose(0, 2, 1, 3, 4).reshape(n, kvh, rows, d)                 # row r = t * G + g
+    qb = jnp.pad(qb, ((0, 0), (0, 0), (0, rows_k - rows), (0, 0)))
+    pos = jnp.full((n, block_q), -1, jnp.int32).at[block, offset].set(positions, mode="drop")
+    pos = jnp.pad(jnp.repeat(pos, g, axis=1), ((0, 0), (0, rows_k - rows)),
+                  constant_values=-1)[..., None]                             # [NB, R, 1]
+    scalars = (jnp.stack([jnp.asarray(layer, jnp.int32), num_blocks]), block_slot, block_last,
+               block_tables.astype(jnp.int32).reshape(max_seqs * max_blocks))
+    ob = call(scalars, pos, qb, k_cache, v_cache, sm_scale=sm_scale,
+              chunk=max(key_chunk, block_size), max_blocks=max_blocks, interpret=interpret)
+    ob = ob[:, :, :rows].reshape(n, kvh, block_q, g, d)
+    out = ob[jnp.minimum(block, n - 1), :, offset]                             # [N, KVH, G, D]
+    return jnp.where((block < n)[:, None, None, None], out, 0.0).reshape(n, h, d)
+
+
+def paged_attention(q, k_cache, v_cache, layer, block_tables, slots, positions, *,
+                    sm_scale: float, row_tile: int = 8, impl: str = "auto", interpret: bool = False):
+    """Paged attention with the reference's arguments and result, by ``impl``: "auto" (the
+    kernel through Triton on GPU and Mosaic on TPU, the reference on CPU), "reference",
+    "triton", "mosaic_tpu", or "interpret" (the GPU kernel in the interpreter). ``interpret``
+    runs a chosen kernel in the interpreter. ``row_tile`` is the reference's."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+    if impl == "auto":
+        impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend(), "reference")
+    if impl == "reference":
+        return paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots,
+                                         positions, sm_scale=sm_scale, row_tile=row_tile)
+    if impl == "interpret":
+        impl, interpret = "triton", True
+    return paged_attention_kernel(q, k_cache, v_cache, layer, block_tables, slots, positions,
+                                  sm_scale=sm_scale, backend=impl, interpret=interpret)

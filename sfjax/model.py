@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.rows import num_tiles_of, per_tile
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, rope_frequencies
@@ -65,7 +65,7 @@ def cache_slots(block_tables, slots, positions, block_size):
 
 
 def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables,
-            cfg: ModelConfig, row_tile: int = 8):
+            cfg: ModelConfig, row_tile: int = 8, *, attention: str = "auto"):
     """The ragged forward: writes each row's K/V to its page, returns hidden states.
 
     Stacked weights run by ``lax.scan`` over the layer axis; weights from ``split_layers`` (a
@@ -76,6 +76,8 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
     Args:
       tokens, positions, slots: int32 [N] (N a multiple of ``row_tile``; padding: slot -1).
       block_tables: int32 [max_seqs, max_blocks].
+      attention: ``pallas_kernels.paged_attention.paged_attention``'s impl ("auto": the Pallas
+        kernel on GPU and TPU, the reference on CPU; "interpret": the kernel in the interpreter).
     Returns:
       (hidden [N, d], cache) with this call's K/V written.
     """
@@ -91,8 +93,8 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
                            row_tile, tiles, x, positions)
         kc = kc.at[i, page, off].set(k.astype(kc.dtype))
         vc = vc.at[i, page, off].set(v.astype(vc.dtype))
-        attn = paged_attention_reference(q, kc, vc, i, block_tables, slots, positions,
-                                         sm_scale=sm_scale, row_tile=row_tile)
+        attn = paged_attention(q, kc, vc, i, block_tables, slots, positions, sm_scale=sm_scale,
+                               row_tile=row_tile, impl=attention)
         x = per_tile(functools.partial(_out_and_mlp, lw=lw, cfg=cfg), row_tile, tiles, x, attn)
         return x, kc, vc
 

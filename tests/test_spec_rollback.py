@@ -15,7 +15,8 @@ EOS = 1
 
 
 def _fake_forward(miss_every_third):
-    def forward(weights, cache, tokens, positions, slots, block_tables, cfg, row_tile=8):
+    def forward(weights, cache, tokens, positions, slots, block_tables, cfg, row_tile=8, *,
+                attention="auto"):
         """Stores each row's token in its K page (as a float) and 'predicts' position p + 1 as the
         token at p + 1 - N_BACK, read back through the block tables."""
         bs = cache.k.shape[2]

@@ -64,7 +64,7 @@ def _rows(b: sampling.SamplingBatch, idx):
 
 
 def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: RoundConfig,
-                 dcfg: ModelConfig, row_tile: int, sampler: str):
+                 dcfg: ModelConfig, row_tile: int, sampler: str, attention: str):
     """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
     role = sampling.ROLE_DRAFT if rc.acceptance == "rejection_sampler" else sampling.ROLE_TARGET
     s = spec.slots.shape[0]
@@ -73,7 +73,7 @@ def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: Rou
     slots, length, k = grow(spec.slots, -1), grow(spec.length, 0), grow(spec.k, 0)
     live = slots >= 0
     h, dcache = model.forward(dw, dcache, spec.draft_tokens, spec.draft_positions, spec.draft_slots,
-                              batch.block_tables, dcfg, row_tile)
+                              batch.block_tables, dcfg, row_tile, attention=attention)
 
     def one(h_rows, j):
         lg = model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live))
@@ -90,7 +90,7 @@ def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: Rou
         d_prev, dcache = carry
         pos = jnp.where(live & (j < k), length - 1 + j, -1)
         h, dcache = model.forward(dw, dcache, d_prev, pos, jnp.where(pos >= 0, slots, -1),
-                                  batch.block_tables, dcfg, row_tile)
+                                  batch.block_tables, dcfg, row_tile, attention=attention)
         d, logq = one(h, j)
         return (d, dcache), (d, logq)
 
@@ -100,11 +100,12 @@ def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: Rou
     return drafts, logq, dcache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "rc", "row_tile", "sampler"),
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "rc", "row_tile", "sampler",
+                                             "attention"),
                    donate_argnames=("state", "draft_cache"))
 def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: StepBatch,
               spec: SpecBatch, *, cfg: ModelConfig, dcfg: ModelConfig | None, rc: RoundConfig,
-              row_tile: int, sampler: str = "auto"):
+              row_tile: int, sampler: str = "auto", attention: str = "auto"):
     """One round for every slot. DONATES ``state`` and ``draft_cache``.
 
     Logit rows: the plain step's (prefill completions, prompt logprobs), then from
@@ -126,7 +127,7 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
             logq = jnp.where(jax.nn.one_hot(drafts, cfg.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
     else:
         drafts, logq, draft_cache = _draft_model(draft_weights, draft_cache, history, batch, spec,
-                                                 rc, dcfg, row_tile, sampler)
+                                                 rc, dcfg, row_tile, sampler, attention)
         k = spec.k
     k = jnp.where(live, k, 0)
     # fill the verify rows: drafts past a slot's k become padding
@@ -139,7 +140,7 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
     slots = batch.slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop")
     history = record_tokens(history, slots, positions, tokens)
     hidden, cache = model.forward(weights, state.cache, tokens, positions, slots,
-                                  batch.block_tables, cfg, row_tile)
+                                  batch.block_tables, cfg, row_tile, attention=attention)
     logits = model.logits(weights, hidden[batch.logit_rows], cfg, row_tile, batch.num_logit_rows)
     drawn = sampling.draw(logits, batch.sampling, history, batch.num_logit_rows, row_tile,
                           batch.with_logprobs, sampler)

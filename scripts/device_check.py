@@ -1,0 +1,275 @@
+"""Device check of the Pallas paged-attention kernel (issue 6): correctness, bandwidth, end to end.
+
+Run (one H200, at most about 5 minutes):
+    python scripts/device_check.py [--out results.json]
+    python scripts/device_check.py --smoke        # tiny shapes; on CPU the kernel is interpreted
+
+Sections, each printed as it finishes (a failing section prints its error and the rest go on):
+1. correct: the kernel against the jnp reference, float32 under
+   jax.default_matmul_precision("highest") and bfloat16, on rows mixing decode, k+1 verify runs, a
+   prefill chunk and padding (GQA 4 and 1, head_dim 128, 16-token pages); and row invariance: one
+   query row alone, as the last of 5 verify rows, and inside a prefill chunk among other slots'
+   rows must give the same bits.
+2. copy: the device's copy ceiling, (read + written bytes) / time of ``x * 2`` over 4 GiB.
+3. attention: decode (one query row per sequence) at batch 1/32/128 x context 1k/8k, plus a
+   k+1 = 5 verify at batch 32 x 8k, Llama-2-7B's attention (32 heads, 32 KV heads, head_dim 128,
+   bf16, 16-token pages at random places): the kernel and the jnp path, ms per call (median of
+   --iters), and the K/V bytes read per second against the copy ceiling.
+4. e2e: greedy decoding at batch 1 of a Llama-2-7B-shaped random bf16 model (13.5 GB of weights;
+   weight-read roofline = copy ceiling / weight bytes), plain and with a draft model. The target's
+   layers 3..32 write nothing to the residual stream (zero o_proj and down_proj: the same work,
+   exact zeros), and the draft is its first two layers with the same embeddings and head, so every
+   greedy draft is accepted: the round's best case. Speculative tokens must equal plain ones.
+   Each engine runs once to compile, then prefill (max_tokens=1) and the whole run are each the
+   best of 3; decode tok/s = (max_tokens - 1) / (whole - prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import paged_attention as P
+from sfjax import SamplingParams, toy
+from sfjax import weights as W
+from sfjax.config import ModelConfig
+from sfjax.engine.engine import Engine, EngineConfig
+from sfjax.spec.config import SpeculativeConfig
+
+ON_CPU = jax.default_backend() == "cpu"
+IMPL = "interpret" if ON_CPU else "auto"          # the kernel: interpreted on CPU
+
+
+def kernel(*args, **kw):
+    return P.paged_attention(*args, impl=IMPL, **kw)
+
+
+def pages(rng_key, lengths, block_size, kvh, d, dtype, layers=1):
+    """K/V pools with each sequence's pages at random places; returns (k, v, block_tables)."""
+    per = [-(-n // block_size) for n in lengths]
+    num = 1 + sum(per)
+    shape = (layers, num, block_size, kvh, d)
+    kk, kv = jax.random.split(rng_key)
+    k = jax.random.normal(kk, shape, dtype)
+    v = jax.random.normal(kv, shape, dtype)
+    perm = 1 + np.random.default_rng(0).permutation(num - 1)
+    tables = np.zeros((len(lengths), max(per)), np.int32)
+    used = 0
+    for s, p in enumerate(per):
+        tables[s, :p] = perm[used:used + p]
+        used += p
+    return k, v, jnp.asarray(tables)
+
+
+def rows(runs, n):
+    """runs: (slot, first position, count); padded to n rows with slot/position -1."""
+    slots, positions = [], []
+    for s, p, c in runs:
+        slots += [s] * c
+        positions += list(range(p, p + c))
+    pad = n - len(slots)
+    return (jnp.asarray(slots + [-1] * pad, jnp.int32), jnp.asarray(positions + [-1] * pad, jnp.int32))
+
+
+def timed(f, *args, iters):
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def check_correct(smoke: bool) -> dict:
+    d = 16 if smoke else 128
+    ctx = 90 if smoke else 1000
+    out = {}
+    for kvh, g in ((2, 4), (4, 1)) if smoke else ((8, 4), (32, 1)):
+        h = kvh * g
+        for dtype in (jnp.float32, jnp.bfloat16):
+            k, v, tables = pages(jax.random.key(1), [ctx, ctx // 2, 40, ctx], 16, kvh, d, dtype)
+            slots, positions = rows([(0, ctx - 1, 1), (1, ctx // 2 - 5, 5), (2, 3, 37), (3, ctx - 5, 5)], 64)
+            q = jax.random.normal(jax.random.key(2), (64, h, d), dtype)
+            args = (q, k, v, 0, tables, slots, positions)
+            with jax.default_matmul_precision("highest"):
+                ref = jax.jit(P.paged_attention_reference, static_argnames=("sm_scale",))(*args, sm_scale=d ** -0.5)
+                got = jax.jit(kernel, static_argnames=("sm_scale",))(*args, sm_scale=d ** -0.5)
+                err = float(jnp.max(jnp.abs(got - ref)))
+                # row invariance: slot 0's row at position ctx - 1, three ways
+                q0 = q[0]
+                bits = []
+                for runs, at in [([(0, ctx - 1, 1)], 0),
+                                 ([(1, 10, 3), (0, ctx - 5, 5), (2, 20, 4)], 7),
+                                 ([(2, 0, 9), (0, ctx - 30, 30), (3, 7, 2)], 38)]:
+                    s, p = rows(runs, 64)
+                    qq = q.at[at].set(q0)
+                    o = jax.jit(kernel, static_argnames=("sm_scale",))(qq, k, v, 0, tables, s, p, sm_scale=d ** -0.5)
+                    bits.append(np.asarray(o[at]))
+            name = f"G{g}_{jnp.dtype(dtype).name}"
+            tol = 1e-4 if dtype == jnp.float32 else 3e-2
+            out[name] = dict(max_abs_err=err, tol=tol, ok=err <= tol,
+                             row_invariant=all((b == bits[0]).all() for b in bits[1:]))
+            print(f"correct {name}: max |kernel - reference| = {err:.3g} (tol {tol}); "
+                  f"row invariant: {out[name]['row_invariant']}", flush=True)
+    return out
+
+
+def copy_ceiling(smoke: bool, iters: int) -> float:
+    n = (1 << 20) if smoke else (1 << 31)                  # bf16 elements: 2 MiB or 4 GiB
+    x = jnp.ones((n,), jnp.bfloat16)
+    t = timed(jax.jit(lambda x: x * 2), x, iters=iters)
+    gbs = 2 * n * 2 / t / 1e9
+    print(f"copy: {gbs:.0f} GB/s (read + write of {2 * n / 2**20:.0f} MiB in {t * 1e3:.3f} ms)", flush=True)
+    return gbs
+
+
+def time_attention(smoke: bool, iters: int, ceiling: float) -> list[dict]:
+    kvh, g, d, bs = (2, 1, 16, 16) if smoke else (32, 1, 128, 16)
+    cases = ([(1, 128, 1), (4, 256, 1), (4, 256, 5)] if smoke else
+             [(b, c, 1) for b in (1, 32, 128) for c in (1024, 8192)] + [(32, 8192, 5)])
+    out = []
+    f_ker = jax.jit(kernel, static_argnames=("sm_scale",))
+    f_ref = jax.jit(P.paged_attention_reference, static_argnames=("sm_scale",))
+    for b, ctx, qlen in cases:
+        k, v, tables = pages(jax.random.key(b), [ctx] * b, bs, kvh, d, jnp.bfloat16)
+        n = -(-b * qlen // 8) * 8
+        slots, positions = rows([(s, ctx - qlen, qlen) for s in range(b)], n)
+        q = jax.random.normal(jax.random.key(0), (n, kvh * g, d), jnp.bfloat16)
+        args = (q, k, v, 0, tables, slots, positions)
+        kv_bytes = 2 * b * ctx * kvh * d * 2
+        row = dict(batch=b, context=ctx, q_len=qlen, kv_gb=kv_bytes / 1e9)
+        for name, f in (("kernel", f_ker), ("jnp", f_ref)):
+            t = timed(lambda *a: f(*a, sm_scale=d ** -0.5), *args, iters=iters)
+            row[f"{name}_ms"] = t * 1e3
+            row[f"{name}_gbs"] = kv_bytes / t / 1e9
+            row[f"{name}_of_ceiling"] = row[f"{name}_gbs"] / ceiling
+        out.append(row)
+        print(f"attention B={b} ctx={ctx} q_len={qlen}: kernel {row['kernel_ms']:.3f} ms "
+              f"({row['kernel_gbs']:.0f} GB/s, {100 * row['kernel_of_ceiling']:.0f}% of copy), jnp "
+              f"{row['jnp_ms']:.3f} ms ({row['jnp_gbs']:.0f} GB/s)", flush=True)
+        del k, v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def random_weights(cfg: ModelConfig, seed: int) -> W.Weights:
+    """Random weights made on the device (std 0.02; norms ones)."""
+    info = W.describe(cfg)
+    keys = jax.random.split(jax.random.key(seed), len(info))
+    arrays = {name: (jnp.ones(a.shape, cfg.jnp_dtype) if a.init == "ones" else
+                     0.02 * jax.random.normal(key, a.shape, cfg.jnp_dtype))
+              for key, (name, a) in zip(keys, info.items())}
+    return W.Weights(**arrays, **({"lm_head": None} if cfg.tie_word_embeddings else {}))
+
+
+def generate(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    engine.add_request(str(time.perf_counter_ns()), {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    t = time.perf_counter()
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return time.perf_counter() - t, tokens
+
+
+def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 3) -> dict:
+    if smoke:
+        cfg = toy.tiny_config(num_layers=4, dtype="bfloat16")
+    else:                                                    # Llama-2-7B
+        cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                          num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+                          max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16")
+    w = random_weights(cfg, 0)
+    dead = lambda x: x.at[2:].set(0)
+    w = dataclasses.replace(w, wo=dead(w.wo), w_down=dead(w.w_down))
+    dcfg = dataclasses.replace(cfg, num_layers=2)
+    dw = dataclasses.replace(w, **{f: getattr(w, f)[:2] for f in W.LAYER_FIELDS})
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(w))
+    roofline = ceiling * 1e9 / weight_bytes
+    prompt = np.random.default_rng(0).integers(2, cfg.vocab_size, 128 if not smoke else 16).tolist()
+    tokenizer = toy.build_tokenizer(512)
+    config = EngineConfig(max_num_seqs=1, max_model_len=max_tokens + len(prompt) + k + 8)
+    out = dict(weight_gb=weight_bytes / 1e9, roofline_tok_s=roofline)
+    print(f"e2e: {weight_bytes / 1e9:.2f} GB of weights, roofline {roofline:.0f} tok/s", flush=True)
+    tokens = {}
+    for name, spec, draft in [
+            ("plain", None, None),
+            ("draft_model", SpeculativeConfig(method="draft_model", model="(in memory)",
+                                              num_speculative_tokens=k), (dcfg, dw))]:
+        engine = Engine(cfg, w, tokenizer, config, eos_token_ids=(), speculative=spec, draft=draft)
+        t0 = time.perf_counter()
+        generate(engine, prompt, max_tokens)                 # compiles every shape it uses
+        compile_s = time.perf_counter() - t0
+        prefill = min(generate(engine, prompt, 1)[0] for _ in range(repeats))
+        runs = [generate(engine, prompt, max_tokens) for _ in range(repeats)]
+        total, toks = min(runs)
+        decode = (max_tokens - 1) / (total - prefill)
+        row = dict(warmup_s=compile_s, prefill_s=prefill, total_s=total, tok_s=max_tokens / total,
+                   decode_tok_s=decode, of_roofline=decode / roofline)
+        if spec is not None:
+            m = engine.get_metrics()["spec_decode"]
+            row.update(acceptance_rate=m["acceptance_rate"], mean_acceptance_length=m["mean_acceptance_length"])
+        tokens[name] = toks
+        out[name] = row
+        print(f"e2e {name}: decode {decode:.1f} tok/s ({100 * decode / roofline:.0f}% of roofline), "
+              f"prefill {prefill * 1e3:.0f} ms, warm-up {compile_s:.1f} s"
+              + (f", acceptance {row['acceptance_rate']:.2f}" if spec else ""), flush=True)
+        del engine
+    out["spec_equals_plain"] = tokens["draft_model"] == tokens["plain"]
+    print(f"e2e: speculative tokens equal plain: {out['spec_equals_plain']}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU, interpreted)")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per attention case")
+    ap.add_argument("--max-tokens", type=int, default=128, help="e2e: tokens generated")
+    ap.add_argument("--k", type=int, default=4, help="e2e: drafts per round")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: correct,attention,e2e")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    if args.smoke:
+        args.iters, args.max_tokens = min(args.iters, 3), min(args.max_tokens, 8)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, kernel impl {IMPL}", flush=True)
+    results = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, smoke=args.smoke)
+    start = time.perf_counter()
+    sections = [("correct", lambda: check_correct(args.smoke)),
+                ("copy_gbs", lambda: copy_ceiling(args.smoke, args.iters)),
+                ("attention", lambda: time_attention(args.smoke, args.iters, results["copy_gbs"])),
+                ("e2e", lambda: e2e(args.smoke, results["copy_gbs"], args.max_tokens, args.k))]
+    for name, run in sections:
+        if name in skip:
+            continue
+        t = time.perf_counter()
+        try:
+            results[name] = run()
+        except Exception:                                   # one section's failure keeps the others
+            results[name] = {"error": traceback.format_exc()}
+            print(f"{name} FAILED:\n{results[name]['error']}", flush=True)
+        print(f"[{name}: {time.perf_counter() - t:.1f} s]", flush=True)
+    results["total_s"] = time.perf_counter() - start
+    print(f"total {results['total_s']:.1f} s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
