@@ -31,6 +31,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None, seed: int = 0, row_tile: int = 8,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto",
+                 attention: str = "auto", enable_prefix_caching: bool = True,
                  speculative_config: dict | SpeculativeConfig | None = None):
         if model is None:
             from sfjax.default_model import default_model_path
@@ -46,7 +47,8 @@ class LLM:
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
-            seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler)
+            seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler,
+            attention=attention, enable_prefix_caching=enable_prefix_caching)
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config else None
         draft = None
         if spec is not None and spec.method == "draft_model":
@@ -61,6 +63,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the prefix cache's blocks (outputs never depend on it, only speed does)."""
+        self.engine.allocator.reset_prefix_cache()
 
     def get_metrics(self) -> dict:
         """Engine counters; with speculation, vLLM's spec-decode counters under "spec_decode"."""

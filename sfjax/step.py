@@ -42,14 +42,24 @@ def record_tokens(history, slots, positions, tokens):
     return history.at[jnp.where(valid, slots, history.shape[0]), positions].set(tokens, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "row_tile", "sampler"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "row_tile", "sampler", "attention"),
+                   donate_argnames=("state",))
 def model_step(weights: Weights, state: DeviceState, batch: StepBatch, *, cfg: ModelConfig,
-               row_tile: int, sampler: str = "auto"):
+               row_tile: int, sampler: str = "auto", attention: str = "auto"):
     """Runs one step. DONATES ``state``. Returns (state, Drawn [R])."""
     history = record_tokens(state.history, batch.slots, batch.positions, batch.tokens)
     hidden, cache = model.forward(weights, state.cache, batch.tokens, batch.positions, batch.slots,
-                                  batch.block_tables, cfg, row_tile)
+                                  batch.block_tables, cfg, row_tile, attention=attention)
     logits = model.logits(weights, hidden[batch.logit_rows], cfg, row_tile, batch.num_logit_rows)
     drawn = sampling.draw(logits, batch.sampling, history, batch.num_logit_rows, row_tile,
                           batch.with_logprobs, sampler)
     return DeviceState(cache=cache, history=history), drawn
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def write_history(state: DeviceState, slot, row, n) -> DeviceState:
+    """Sets ``slot``'s history at positions < ``n`` to ``row`` (tokens the prefix cache skipped).
+    DONATES ``state``."""
+    keep = jnp.arange(state.history.shape[1]) < n
+    history = state.history.at[slot].set(jnp.where(keep, row, state.history[slot]))
+    return DeviceState(cache=state.cache, history=history)

@@ -1,9 +1,13 @@
 """Hypothesis state machine over the host scheduler and block allocator: add / step / abort /
-finish, with preemption forced by a small pool. After every rule: each block is free or owned by
-exactly one request, block tables agree with the owners, and no request is lost or duplicated."""
+finish, with preemption forced by a small pool, with and without prefix caching. After every
+rule: each block is free or referenced exactly by the requests holding it, block tables agree
+with the holders, every block a request reads holds exactly the prefix it expects (a shadow of
+the pages' contents is kept), and no request is lost or duplicated."""
+
+import collections
 
 import numpy as np
-from hypothesis import settings, strategies as st
+from hypothesis import settings, strategies as st, target
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from sfjax.cache import BlockAllocator
@@ -11,23 +15,29 @@ from sfjax.engine.scheduler import Request, Scheduler, Status
 from sfjax.sampling_params import SamplingParams
 
 BLOCK, BLOCKS, SEQS, BUDGET = 4, 17, 4, 24
+FAMILIES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 1, 1, 1, 1], [2] * 10]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    prefix_caching = False
+
     def __init__(self):
         super().__init__()
-        self.alloc = BlockAllocator(BLOCKS)
+        self.alloc = BlockAllocator(BLOCKS, prefix_caching=self.prefix_caching)
         self.tables = np.zeros((SEQS, 16), np.int32)
         self.sched = Scheduler(self.alloc, self.tables, block_size=BLOCK, max_num_seqs=SEQS,
                                max_num_batched_tokens=BUDGET)
+        self.pages = collections.defaultdict(dict)   # block -> offset -> the prefix written there
         self.live: dict[str, Request] = {}
         self.done: set[str] = set()
         self.n = 0
 
-    @rule(prompt=st.integers(1, 20), max_tokens=st.integers(1, 30))
-    def add(self, prompt, max_tokens):
+    @rule(family=st.sampled_from(range(len(FAMILIES))), cut=st.integers(1, 10),
+          tail=st.lists(st.integers(1, 2), max_size=10), max_tokens=st.integers(1, 30))
+    def add(self, family, cut, tail, max_tokens):
         rid = f"r{self.n}"
-        req = Request(rid, None, [3] * prompt, SamplingParams(max_tokens=max_tokens), self.n, (0, 0),
+        prompt = FAMILIES[family][:cut] + tail
+        req = Request(rid, None, prompt, SamplingParams(max_tokens=max_tokens), self.n, (0, 0),
                       max_tokens, None, 0.0)
         self.n += 1
         self.live[rid] = req
@@ -42,11 +52,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             seen.add(s.request.request_id)
             assert s.request.status is Status.RUNNING
             assert len(s.request.blocks) * BLOCK >= s.start + s.count
-            s.request.num_computed = s.start + s.count
+            assert s.start == s.request.num_computed
+            tokens = s.request.prompt_token_ids + s.request.output_token_ids
+            for pos in range(s.start, s.start + s.count):      # the step writes these pages
+                self.pages[s.request.blocks[pos // BLOCK]][pos % BLOCK] = tuple(tokens[:pos + 1])
+            self.sched.set_computed(s.request, s.start + s.count)
         for s in plan:
             req = s.request
             if s.draws:
-                req.output_token_ids.append(7)
+                req.output_token_ids.append(len(req.output_token_ids) % 3)
                 if len(req.output_token_ids) >= req.max_tokens:
                     self._finish(req)
 
@@ -64,17 +78,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.done.add(req.request_id)
 
     @invariant()
-    def blocks_are_owned_once_or_free(self):
-        owners = {}
+    def blocks_are_referenced_by_their_holders_or_free(self):
+        holders = collections.Counter()
         for req in self.sched.running + self.sched.waiting:
-            for b in req.blocks:
-                assert b not in owners, f"block {b} owned twice"
-                owners[b] = req
+            holders.update(req.blocks)
             if req.slot is not None:
                 assert list(self.tables[req.slot, :len(req.blocks)]) == req.blocks
+        if not self.prefix_caching:
+            assert max(holders.values(), default=1) == 1, "a block owned twice"
         free = self.alloc.free_ids()
-        assert not (free & set(owners)), "a block is both free and owned"
-        assert free | set(owners) == set(range(1, BLOCKS)), "a block was lost"
+        for b in range(1, BLOCKS):
+            assert self.alloc.refs(b) == holders[b], f"block {b}: references != holders"
+            assert (b in free) == (holders[b] == 0), f"block {b} both free and held, or lost"
+
+    @invariant()
+    def every_computed_position_holds_the_expected_prefix(self):
+        for req in self.sched.running:
+            tokens = req.prompt_token_ids + req.output_token_ids
+            for pos in range(req.num_computed):
+                got = self.pages[req.blocks[pos // BLOCK]].get(pos % BLOCK)
+                assert got == tuple(tokens[:pos + 1]), f"{req.request_id} reads a wrong page at {pos}"
 
     @invariant()
     def no_request_lost(self):
@@ -89,7 +112,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
         assert not self.live, "a request starved"
         assert self.alloc.num_free == BLOCKS - 1
+        self.alloc.reset_prefix_cache()
+        assert not self.alloc.cached_ids() and self.alloc.num_free == BLOCKS - 1
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+class PrefixCachingMachine(SchedulerMachine):
+    prefix_caching = True
+
+    def teardown(self):
+        target(float(self.alloc.hit_tokens), label="prefix-cache hit tokens")   # seek sharing
+        super().teardown()
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+PrefixCachingMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestScheduler = SchedulerMachine.TestCase
+TestSchedulerWithPrefixCaching = PrefixCachingMachine.TestCase

@@ -22,7 +22,7 @@ from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
 from sfjax.spec.round import spec_step
-from sfjax.step import DeviceState, StepBatch, model_step
+from sfjax.step import DeviceState, StepBatch, model_step, write_history
 from sfjax.tokenizer import IncrementalDetokenizer
 from sfjax.weights import Weights, split_layers
 
@@ -41,7 +41,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     row_tile: int = 8                      # rows per tile of every op; fixed => row-invariant bits
     sampler: str = "auto"                  # pallas_kernels.sampling.sample impl
+    attention: str = "auto"                # pallas_kernels.paged_attention.paged_attention impl
     layer_loop: str = "auto"               # "scan" (stacked) | "unrolled" | "auto": unrolled on CPU
+    enable_prefix_caching: bool = True     # share full KV blocks across requests by content hash
     seed: int = 0
 
     def __post_init__(self):
@@ -97,11 +99,12 @@ class Engine:
             config.max_num_seqs * blocks_per_seq, max(1, config.kv_cache_bytes // per_block))
         self.config = dataclasses.replace(config, max_model_len=max_len, num_kv_blocks=num_blocks)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, prefix_caching=config.enable_prefix_caching)
         self.block_tables = np.zeros((config.max_num_seqs, blocks_per_seq), np.int32)
         self.scheduler = Scheduler(self.allocator, self.block_tables, block_size=config.block_size,
                                    max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   cache_lag=1 if draft is not None else 0)
         self.state = DeviceState(cache=KVCache.zeros(cfg, num_blocks, config.block_size),
                                  history=jnp.zeros((config.max_num_seqs, max_len), jnp.int32))
         self.registry = Registry()
@@ -210,16 +213,21 @@ class Engine:
         for s in plan:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
+            if s.cached:        # penalties and n-gram lookup read the tokens the cache skipped
+                row = np.zeros(self.config.max_model_len, np.int32)
+                row[:s.cached] = [s.request.token(j) for j in range(s.cached)]
+                self.state = write_history(self.state, np.int32(s.request.slot), row, np.int32(s.cached))
         self.stats["steps"] += 1
         spec_k = self._speculating(plan) if self.spec else {}
         if self.spec and (spec_k or self.spec.draft_cfg is not None):
             return self._spec_step(plan, spec_k)
         batch, meta = self._build_batch(plan)
         self.state, drawn = model_step(self.weights, self.state, batch, cfg=self.cfg,
-                                       row_tile=self.config.row_tile, sampler=self.config.sampler)
+                                       row_tile=self.config.row_tile, sampler=self.config.sampler,
+                                       attention=self.config.attention)
         drawn = jax.device_get(drawn)
         for s in plan:
-            s.request.num_computed = s.start + s.count
+            self.scheduler.set_computed(s.request, s.start + s.count)
         return self._read_rows(meta, drawn, 0)
 
     def _read_rows(self, meta, drawn, first: int) -> list[RequestOutput]:
@@ -275,16 +283,16 @@ class Engine:
         self.state, spec.draft_cache, drawn, accepted, out, emitted, drafted = spec_step(
             self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb, cfg=self.cfg,
             dcfg=spec.draft_cfg, rc=spec.round, row_tile=self.config.row_tile,
-            sampler=self.config.sampler)
+            sampler=self.config.sampler, attention=self.config.attention)
         drawn, accepted, out, emitted, drafted = jax.device_get((drawn, accepted, out, emitted, drafted))
         for i, s in enumerate(plan):
             if i not in spec_k:
-                s.request.num_computed = s.start + s.count
+                self.scheduler.set_computed(s.request, s.start + s.count)
         outputs = []
         for r, i in enumerate(order):
             req = plan[i].request
             n = int(emitted[r])
-            req.num_computed = req.num_tokens - 1 + n        # rollback: a length, nothing else
+            length = req.num_tokens
             new = []
             for j in range(n):
                 token = int(out[r, j])
@@ -293,6 +301,10 @@ class Engine:
                 new.append(token)
                 if result.finished:                          # a stop string may end it early
                     break
+            if req.status is not Status.FINISHED:
+                # rollback: a length, nothing else. K/V is valid for the round's input token
+                # and the accepted drafts
+                self.scheduler.set_computed(req, length - 1 + n)
             # accepted drafts count only as far as they were emitted
             if req.spec_metrics is None:
                 req.spec_metrics = speculation.SpecMetrics()
@@ -310,6 +322,10 @@ class Engine:
 
     def get_metrics(self) -> dict:
         m = dict(self.stats, num_preemptions=self.scheduler.num_preemptions)
+        if self.allocator.prefix_caching:
+            a = self.allocator
+            m["prefix_cache"] = {"query_tokens": a.query_tokens, "hit_tokens": a.hit_tokens,
+                                 "hit_rate": a.hit_tokens / max(a.query_tokens, 1)}
         if self.spec:
             m["spec_decode"] = self.spec.metrics.as_dict()
         return m

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from sfjax.cache import BlockAllocator
+from sfjax.cache import BlockAllocator, hash_blocks
 from sfjax.sampling_params import SamplingParams
 from sfjax.tokenizer import IncrementalDetokenizer
 
@@ -44,6 +44,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +60,7 @@ class Scheduled:
     request: Request
     start: int      # first position fed this step
     count: int      # tokens fed this step
+    cached: int = 0  # tokens before ``start`` served by the prefix cache at this admission
 
     @property
     def draws(self) -> bool:
@@ -73,11 +75,19 @@ class Scheduler:
     admitted in arrival order while slots, token budget and blocks allow. When a running request
     needs a block and none is free, the latest-arrived running request is preempted by recompute:
     its blocks are freed and it goes back to the front of the queue with its output so far.
+
+    With prefix caching, an admitted request first takes the cached blocks of its longest cached
+    prefix (prompt and any output so far, so a preempted request recomputes only what was
+    evicted) and starts computing after them; at least its last token is always computed, so its
+    next token is drawn. Requests asking for prompt logprobs compute their whole prompt.
+    ``cache_lag`` holds back registering a block until that many positions past it are computed
+    (1 with a draft model, whose cache trails the target's by up to one position).
     """
 
     def __init__(self, allocator: BlockAllocator, block_tables, *, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, cache_lag: int = 0):
         self.allocator = allocator
+        self.cache_lag = cache_lag
         self.block_tables = block_tables            # numpy int32 [max_num_seqs, max_blocks]
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -111,6 +121,30 @@ class Scheduler:
         self.block_tables[req.slot, len(req.blocks):len(req.blocks) + need] = new
         req.blocks.extend(new)
         return True
+
+    def set_computed(self, req: Request, n: int) -> None:
+        """Records that positions < ``n`` hold valid K/V; offers newly full blocks to the cache."""
+        before = max(req.num_computed - self.cache_lag, 0) // self.block_size
+        req.num_computed = n
+        if not self.allocator.prefix_caching:
+            return
+        full = max(n - self.cache_lag, 0) // self.block_size
+        if full > before:
+            self._hashes(req, full * self.block_size)
+            for i in range(before, full):
+                self.allocator.register(req.blocks[i], req.block_hashes[i])
+
+    def _hashes(self, req: Request, upto: int) -> list[bytes]:
+        if len(req.block_hashes) < upto // self.block_size:
+            tokens = (req.prompt_token_ids + req.output_token_ids)[:upto]
+            hash_blocks(tokens, self.block_size, req.block_hashes)
+        return req.block_hashes[:upto // self.block_size]
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks for the request's longest cached prefix, leaving its last token."""
+        if not self.allocator.prefix_caching or req.params.prompt_logprobs is not None:
+            return []
+        return self.allocator.lookup(self._hashes(req, req.num_tokens - 1))
 
     def release(self, req: Request) -> None:
         """Frees the request's blocks and slot at once (finish, abort, preemption)."""
@@ -157,15 +191,25 @@ class Scheduler:
                 budget -= count
         while self.waiting and self._free_slots and budget > 0:
             req = self.waiting[0]
-            count = min(req.num_tokens, budget)
-            if self.blocks_needed(count) > self.allocator.num_free:
+            hit = self._cached_prefix(req)
+            cached = len(hit) * self.block_size
+            count = min(req.num_tokens - cached, budget)
+            need = self.blocks_needed(cached + count) - len(hit)
+            if need + self.allocator.num_evictable(hit) > self.allocator.num_free:
                 break
             self.waiting.pop(0)
             req.slot = self._free_slots.pop()
-            self._grow(req, count)
+            if self.allocator.prefix_caching and req.params.prompt_logprobs is None:
+                self.allocator.query_tokens += req.num_tokens
+                self.allocator.hit_tokens += cached
+            self.allocator.acquire(hit)
+            req.blocks = list(hit)
+            self.block_tables[req.slot, :len(hit)] = hit
+            req.num_computed = cached
+            self._grow(req, cached + count)
             req.status = Status.RUNNING
             self.running.append(req)
             self.running.sort(key=lambda r: r.arrival)   # preemption takes the latest arrival
-            out.append(Scheduled(req, 0, count))
+            out.append(Scheduled(req, cached, count, cached))
             budget -= count
         return out
