@@ -300,13 +300,14 @@ def plain_suite(args) -> None:
 SEGMENT = 24   # the repeat prompt set: a SEGMENT-token random segment, repeated to --prompt-len
 
 
-def build_pair(root: str) -> dict[str, str]:
-    """The constructed target/draft pair and a disagreeing draft; returns their folders."""
+def build_pair(root: str, *, draft_cfg=None) -> dict[str, str]:
+    """The constructed target/draft pair and a disagreeing draft; returns their folders.
+    ``draft_cfg``: the draft's shape, 2 layers (default llama-68m's); the target is it with 12."""
     import jax
     from sfjax import toy
     from sfjax import weights as W
-    tcfg = toy.llama_68m_config(num_layers=12)         # llama-160m's shape
-    dcfg = toy.llama_68m_config()                      # 2 layers
+    dcfg = draft_cfg or toy.llama_68m_config()         # 2 layers
+    tcfg = dataclasses.replace(dcfg, num_layers=12)    # llama-160m's shape by default
     w = W.init_random(tcfg, seed=0)
     dead = lambda x: x.at[2:].set(0.0)                 # layers 3..12 write nothing to the residual
     w = dataclasses.replace(w, wo=dead(w.wo), w_down=dead(w.w_down))

@@ -105,16 +105,23 @@ def split_layers(weights: Weights) -> Weights:
 
 
 def check(weights: Weights, cfg: ModelConfig) -> None:
-    """Raises ValueError naming the first array whose shape or dtype does not fit ``cfg``."""
+    """Raises ValueError naming the first array whose shape or dtype does not fit ``cfg``
+    (stacked weights, or weights from ``split_layers``)."""
     info = describe(cfg)
     if cfg.tie_word_embeddings != (weights.lm_head is None):
         raise ValueError(f"weights.lm_head: expected {'None (tied)' if cfg.tie_word_embeddings else 'an array'}")
     for name, a in info.items():
         x = getattr(weights, name)
-        if tuple(x.shape) != a.shape:
-            raise ValueError(f"weights.{name}: shape {tuple(x.shape)}, config needs {a.shape}")
-        if x.dtype != cfg.jnp_dtype:
-            raise ValueError(f"weights.{name}: dtype {x.dtype}, config needs {cfg.dtype}")
+        parts = [(name, x, a.shape)]
+        if isinstance(x, (tuple, list)):        # split_layers: one array per layer
+            if len(x) != a.shape[0]:
+                raise ValueError(f"weights.{name}: {len(x)} layers, config needs {a.shape[0]}")
+            parts = [(f"{name}[{i}]", v, a.shape[1:]) for i, v in enumerate(x)]
+        for label, v, shape in parts:
+            if tuple(v.shape) != shape:
+                raise ValueError(f"weights.{label}: shape {tuple(v.shape)}, config needs {shape}")
+            if v.dtype != cfg.jnp_dtype:
+                raise ValueError(f"weights.{label}: dtype {v.dtype}, config needs {cfg.dtype}")
 
 
 # ---------------------------------------------------------------------------------------------

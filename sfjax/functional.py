@@ -1,0 +1,392 @@
+"""Generation as pure functions for JAX programs: under the caller's ``jit``, ``lax.scan`` or AOT
+``lower().compile()``, with the weights the caller holds.
+
+``prefill`` builds the cache and slot state for a batch of prompts and draws each row's first
+token; ``decode`` runs N rounds; ``generate`` runs rounds until every row is done; ``outputs``
+reads back tokens, lengths and acceptance counts. Weights, caches and state are pytrees; ``Config``
+is static and hashable; everything runs on the device (``lax`` loops, masks for finished rows).
+
+A round is the engine's own step (``step.model_step``, ``spec.round.spec_step``), traced inside
+the caller's program, over the batch the engine's host would build, laid out here on the device:
+one row per live sequence (plain) or K + 1 verify rows (speculative), live rows first. Row
+invariance (every op in fixed tiles of ``row_tile`` rows) makes a row's logits the same bits in
+either layout, and draws use the engine's counter keys (request key, output index), so the tokens
+equal ``LLM.generate``'s for the same weights, prompts, seeds and speculative settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from sfjax import model
+from sfjax import weights as W
+from sfjax.cache import KVCache, validate_block_size
+from sfjax.config import ModelConfig
+from sfjax.sampling import SamplingBatch, request_key_data
+from sfjax.sampling_params import SamplingParams
+from sfjax.spec.config import SpeculativeConfig
+from sfjax.spec.round import RoundConfig, SpecBatch, spec_step
+from sfjax.step import DeviceState, StepBatch, model_step
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static settings of a generation program (hashable; a pytree with no leaves, so it can be
+    passed to a jitted function as is).
+
+    max_model_len: prompt + output tokens per row (the KV cache and token history hold this many).
+    speculative_config: None (plain decoding) or ``LLM``'s dict / ``SpeculativeConfig``; for
+        ``draft_model`` its "model" is the draft's ``ModelConfig`` (or an HF folder to read one
+        from), and the draft weights are an argument of the calls.
+    block_size, row_tile, sampler, layer_loop, attention: as ``EngineConfig``; tokens equal the
+        engine's for the same ``row_tile`` and ``attention``.
+    """
+    model: ModelConfig
+    max_model_len: int
+    speculative_config: SpeculativeConfig | None = None
+    block_size: int = 16
+    row_tile: int = 8
+    sampler: str = "auto"
+    layer_loop: str = "auto"
+    attention: str = "auto"
+
+    def __post_init__(self):
+        spec = self.speculative_config
+        if spec is not None:
+            spec = SpeculativeConfig.from_dict(spec)
+            if isinstance(spec.model, str):
+                spec = dataclasses.replace(spec, model=ModelConfig.from_folder(spec.model))
+            if spec.method == "draft_model":
+                if not isinstance(spec.model, ModelConfig):
+                    raise ValueError("speculative_config.model: the draft's ModelConfig (or folder) is needed")
+                if spec.model.vocab_size != self.model.vocab_size:
+                    raise ValueError(f"speculative_config.model: the draft's vocabulary ({spec.model.vocab_size}) "
+                                     f"differs from the target's ({self.model.vocab_size})")
+            if spec.max_model_len is not None and spec.max_model_len > self.max_model_len:
+                raise ValueError(f"speculative_config.max_model_len ({spec.max_model_len}) must be <= "
+                                 f"max_model_len ({self.max_model_len})")
+            object.__setattr__(self, "speculative_config", spec)
+        if not 2 <= self.max_model_len <= self.model.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) must be in [2, the model's "
+                             f"max_position_embeddings ({self.model.max_position_embeddings})]")
+        validate_block_size(self.block_size)
+        if self.row_tile < 1:
+            raise ValueError(f"row_tile must be >= 1, got {self.row_tile}")
+        if self.layer_loop not in ("auto", "scan", "unrolled"):
+            raise ValueError(f"layer_loop must be auto, scan or unrolled; got {self.layer_loop!r}")
+
+    @property
+    def draft(self) -> ModelConfig | None:
+        spec = self.speculative_config
+        return spec.model if spec is not None and spec.method == "draft_model" else None
+
+    @property
+    def round_config(self) -> RoundConfig:
+        s = self.speculative_config
+        return RoundConfig(method=s.method, acceptance=s.acceptance_method, k_max=s.num_speculative_tokens,
+                           ngram_min=s.prompt_lookup_min, ngram_max=s.prompt_lookup_max,
+                           threshold=s.posterior_threshold, alpha=s.posterior_alpha)
+
+    @property
+    def draft_limit(self) -> int:
+        """A row drafts only while length + k stays within this (speculative_config.max_model_len,
+        and the draft's max_position_embeddings)."""
+        limit = self.speculative_config.max_model_len or self.max_model_len
+        return min(limit, self.draft.max_position_embeddings) if self.draft else limit
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Sampling:
+    """Per-row sampling settings, [B] unless noted (vLLM's meanings, as ``SamplingParams``)."""
+    temperature: jax.Array   # float32; 0 = greedy
+    top_k: jax.Array         # int32; 0 = off
+    top_p: jax.Array         # float32; 1 = off
+    min_p: jax.Array         # float32; 0 = off
+    presence: jax.Array      # float32 presence penalty
+    frequency: jax.Array     # float32 frequency penalty
+    repetition: jax.Array    # float32 repetition penalty; 1 = off
+    key_data: jax.Array      # uint32 [B, 2] request keys (request_key_data(seed), or
+                             # jax.random.key_data of a key made in the program)
+    max_tokens: jax.Array    # int32 output tokens at most
+    min_tokens: jax.Array    # int32 stop tokens can't end (or be drawn in) the first min_tokens
+    stop_ids: jax.Array      # int32 [B, S] tokens that end the row (EOS + stop_token_ids); -1 pad
+
+    @classmethod
+    def from_params(cls, params: SamplingParams | Sequence[SamplingParams], *,
+                    eos_token_ids: Sequence[int], batch: int | None = None) -> "Sampling":
+        """Arrays for a batch from ``SamplingParams`` (one for all ``batch`` rows, or one per row).
+
+        ``eos_token_ids`` end a row unless its params ``ignore_eos`` (``LLM`` uses the model's
+        generation_config). Sampled rows need a ``seed``. Fields that need the host (stop strings,
+        logprobs, logit_bias, allowed_token_ids, per-request speculation settings) are refused.
+        """
+        params = [params] * (batch or 1) if isinstance(params, SamplingParams) else list(params)
+        unsupported = {"logit_bias": {}, "allowed_token_ids": None, "stop": [], "logprobs": None,
+                       "prompt_logprobs": None, "disable_spec_decode": False, "spec_strategy": None,
+                       "spec_exactness": None}
+        for p in params:
+            for name, off in unsupported.items():
+                if getattr(p, name) != off:
+                    raise ValueError(f"SamplingParams.{name}: not offered by sfjax.functional")
+            if p.seed is None and p.temperature > 0:
+                raise ValueError("SamplingParams.seed: sampled rows need a seed in sfjax.functional")
+        stops = [([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids for p in params]
+        stop_ids = np.full((len(params), max(map(len, stops), default=0) or 1), -1, np.int32)
+        for i, s in enumerate(stops):
+            stop_ids[i, :len(s)] = s
+        col = lambda f, dtype: np.array([f(p) for p in params], dtype)
+        return cls(temperature=col(lambda p: p.temperature, np.float32), top_k=col(lambda p: p.top_k, np.int32),
+                   top_p=col(lambda p: p.top_p, np.float32), min_p=col(lambda p: p.min_p, np.float32),
+                   presence=col(lambda p: p.presence_penalty, np.float32),
+                   frequency=col(lambda p: p.frequency_penalty, np.float32),
+                   repetition=col(lambda p: p.repetition_penalty, np.float32),
+                   key_data=np.array([request_key_data(p.seed or 0) for p in params], np.uint32),
+                   max_tokens=col(lambda p: p.max_tokens or np.iinfo(np.int32).max, np.int32),
+                   min_tokens=col(lambda p: p.min_tokens, np.int32), stop_ids=stop_ids)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+    """A batch of B rows between calls; row b owns slot b and its own contiguous KV blocks."""
+    cache: KVCache
+    draft_cache: KVCache | None
+    history: jax.Array           # int32 [B, max_model_len] each row's tokens by position
+    block_tables: jax.Array      # int32 [B, max_model_len / block_size]
+    prompt_len: jax.Array        # int32 [B] (0: an empty row, done from the start)
+    length: jax.Array            # int32 [B] prompt + output tokens so far
+    done: jax.Array              # bool [B] ended (stop token, max_tokens or max_model_len)
+    sampling: Sampling
+    num_drafts: jax.Array        # int32 [B] rounds that drafted (vLLM's spec-decode counters)
+    num_draft_tokens: jax.Array  # int32 [B]
+    num_accepted_tokens: jax.Array  # int32 [B] accepted drafts that were emitted
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Outputs:
+    token_ids: jax.Array         # int32 [B, width] output tokens; -1 past num_tokens
+    num_tokens: jax.Array        # int32 [B]
+    finished: jax.Array          # bool [B]
+    num_drafts: jax.Array        # int32 [B]
+    num_draft_tokens: jax.Array  # int32 [B]
+    num_accepted_tokens: jax.Array  # int32 [B]
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], length: int | None = None,
+                batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [batch, length], lengths int32 [batch]) on the host. ``length`` defaults to the
+    smallest power of two >= 8 holding the longest prompt, so similar batches share one bucket;
+    rows past the prompts (up to ``batch``) are empty."""
+    batch = batch or len(prompts)
+    need = max(map(len, prompts), default=1)
+    length = length or max(8, 1 << (need - 1).bit_length())
+    if need > length or len(prompts) > batch:
+        raise ValueError(f"prompts: {len(prompts)} of up to {need} tokens don't fit [{batch}, {length}]")
+    ids = np.zeros((batch, length), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    return ids, np.array([len(p) for p in prompts] + [0] * (batch - len(prompts)), np.int32)
+
+
+def _tiles(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
+
+
+def _weights(weights, draft_weights, cfg: Config):
+    """Checks shapes and dtypes against the configs, and splits the layers where the engine does
+    (on CPU; weights already split by ``weights.split_layers`` are taken as they are)."""
+    W.check(weights, cfg.model)
+    if cfg.draft is not None:
+        if draft_weights is None:
+            raise ValueError("draft_weights: the draft_model method needs the draft's weights")
+        try:
+            W.check(draft_weights, cfg.draft)
+        except ValueError as e:
+            raise ValueError(f"draft_{e}") from None
+    draft_weights = draft_weights if cfg.draft is not None else None
+    if cfg.layer_loop == "unrolled" or (cfg.layer_loop == "auto" and jax.default_backend() == "cpu"):
+        weights = W.split_layers(weights)
+        draft_weights = W.split_layers(draft_weights) if draft_weights is not None else None
+    return weights, draft_weights
+
+
+def _sampling_rows(sp: Sampling, slot, length, prompt_len, k1: int, n: int) -> SamplingBatch:
+    """K1 draw rows per sequence, sequence-major, padded to n: row (r, j) draws output index
+    ``length - prompt_len + j`` after the token at position ``length - 1 + j``."""
+    rep = lambda x: jnp.repeat(x, k1, axis=0)
+    j = jnp.tile(jnp.arange(k1, dtype=jnp.int32), slot.shape[0])
+    t = rep(length - prompt_len) + j
+    r = t.shape[0]
+    b = SamplingBatch(
+        temperature=rep(sp.temperature), top_k=rep(sp.top_k), top_p=rep(sp.top_p), min_p=rep(sp.min_p),
+        presence=rep(sp.presence), frequency=rep(sp.frequency), repetition=rep(sp.repetition),
+        key_data=rep(sp.key_data), position=t, slot=rep(slot), seq_pos=rep(length - 1) + j,
+        prompt_len=rep(prompt_len),
+        suppress=jnp.where((t < rep(sp.min_tokens))[:, None], rep(sp.stop_ids), -1),
+        bias_ids=jnp.full((r, 1), -1, jnp.int32), bias=jnp.zeros((r, 1), jnp.float32),
+        allowed=jnp.full((r, 1), -1, jnp.int32), target=jnp.full((r,), -1, jnp.int32))
+    return jax.tree.map(lambda x: jnp.concatenate([x, jnp.broadcast_to(x[:1], (n - r, *x.shape[1:]))]), b)
+
+
+def _commit(st: State, order, live, out, emitted, accepted, drafted, history) -> State:
+    """Appends each live row's ``out[r, :emitted[r]]`` (row r is sequence ``order[r]``), ends rows
+    at a stop token, max_tokens or max_model_len, and counts drafts."""
+    s, max_len = st.history.shape
+    length, sp = st.length[order], jax.tree.map(lambda x: x[order], st.sampling)
+    j = jnp.arange(out.shape[1])[None, :]
+    keep = live[:, None] & (j < emitted[:, None])
+    history = history.at[jnp.where(keep, order[:, None], s), length[:, None] + j].set(out, mode="drop")
+    last = jnp.take_along_axis(out, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
+    out_n = length - st.prompt_len[order] + emitted
+    stopped = jnp.any(last[:, None] == jnp.where(sp.stop_ids >= 0, sp.stop_ids, -2), axis=1)
+    ended = (stopped & (out_n - 1 >= sp.min_tokens)) | (out_n >= sp.max_tokens) | (length + emitted >= max_len)
+    spec = drafted > 0
+    put = lambda old, new: old.at[order].set(jnp.where(live, new, old[order]))
+    return dataclasses.replace(
+        st, history=history, length=put(st.length, length + emitted), done=put(st.done, ended),
+        num_drafts=put(st.num_drafts, st.num_drafts[order] + spec),
+        num_draft_tokens=put(st.num_draft_tokens, st.num_draft_tokens[order] + drafted),
+        num_accepted_tokens=put(st.num_accepted_tokens, st.num_accepted_tokens[order]
+                                + jnp.where(spec, jnp.minimum(accepted, emitted), 0)))
+
+
+def prefill(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config,
+            draft_weights: W.Weights | None = None) -> State:
+    """Builds the state for B prompts and draws each row's first token.
+
+    prompt_ids: int32 [B, P] (P a fixed bucket, < max_model_len); prompt_lens: int32 [B], 0 for an
+    empty row. Raises ValueError (at trace time) naming the first weight array whose shape or
+    dtype does not fit the config.
+    """
+    w, dw = _weights(weights, draft_weights, cfg)
+    return _prefill(w, dw, prompt_ids, prompt_lens, sampling, cfg)
+
+
+def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) -> State:
+    s, p = prompt_ids.shape
+    if p >= cfg.max_model_len:
+        raise ValueError(f"prompt_ids: width {p} leaves no room for output under max_model_len "
+                         f"({cfg.max_model_len})")
+    prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
+    per_seq = -(-cfg.max_model_len // cfg.block_size)
+    num_blocks = 1 + s * per_seq                                # block 0 is the null block
+    zeros_b = jnp.zeros_like(prompt_lens)
+    st = State(
+        cache=KVCache.zeros(cfg.model, num_blocks, cfg.block_size),
+        draft_cache=KVCache.zeros(cfg.draft, num_blocks, cfg.block_size) if cfg.draft else None,
+        history=jnp.zeros((s, cfg.max_model_len), jnp.int32),
+        block_tables=1 + jnp.arange(s * per_seq, dtype=jnp.int32).reshape(s, per_seq),
+        prompt_len=prompt_lens, length=prompt_lens, done=prompt_lens <= 0,
+        sampling=jax.tree.map(jnp.asarray, sampling), num_drafts=zeros_b, num_draft_tokens=zeros_b,
+        num_accepted_tokens=zeros_b)
+    live = ~st.done
+    pos = jnp.arange(p, dtype=jnp.int32)[None, :]
+    real = pos < prompt_lens[:, None]
+    n = _tiles(s * p, cfg.row_tile)
+    flat = lambda x, fill: jnp.concatenate([x.reshape(-1), jnp.full(n - s * p, fill, jnp.int32)])
+    tokens = flat(jnp.asarray(prompt_ids, jnp.int32), 0)
+    positions = flat(jnp.where(real, pos, -1), -1)
+    slots = flat(jnp.where(real, jnp.arange(s, dtype=jnp.int32)[:, None], -1), -1)
+    r = _tiles(s, cfg.row_tile)
+    rows = jnp.arange(s, dtype=jnp.int32)
+    logit_rows = jnp.concatenate([rows * p + jnp.maximum(prompt_lens - 1, 0), jnp.zeros(r - s, jnp.int32)])
+    batch = StepBatch(tokens=tokens, positions=positions, slots=slots, block_tables=st.block_tables,
+                      logit_rows=logit_rows, num_logit_rows=jnp.int32(s), with_logprobs=jnp.bool_(False),
+                      sampling=_sampling_rows(st.sampling, rows, prompt_lens, prompt_lens, 1, r))
+    dev, drawn = model_step(w, DeviceState(st.cache, st.history), batch, cfg=cfg.model,
+                            row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention)
+    dcache = st.draft_cache
+    if cfg.draft is not None:   # the draft's cache gets the same prompt rows
+        _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables, cfg.draft,
+                                  cfg.row_tile)
+    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
+    one = live.astype(jnp.int32)
+    return _commit(st, rows, live, drawn.tokens[:s, None], one, zeros_b, zeros_b, dev.history)
+
+
+def _round(w, dw, st: State, cfg: Config) -> State:
+    """One plain step or speculative round for every live row."""
+    s = st.length.shape[0]
+    order = jnp.argsort(st.done, stable=True).astype(jnp.int32)   # live rows first, as the step wants
+    live = ~st.done[order]
+    n_live = jnp.sum(live.astype(jnp.int32))
+    length, plen = st.length[order], st.prompt_len[order]
+    sp = jax.tree.map(lambda x: x[order], st.sampling)
+    out_n = length - plen
+    last = st.history[order, jnp.maximum(length - 1, 0)]
+    slot = jnp.where(live, order, -1)
+    spec = cfg.speculative_config
+    k1 = spec.num_speculative_tokens + 1 if spec else 1
+    n = _tiles(s * k1, cfg.row_tile)
+    first = jnp.arange(s, dtype=jnp.int32) * k1                         # each row's first step row
+    batch = StepBatch(
+        tokens=jnp.zeros(n, jnp.int32).at[first].set(last),
+        positions=jnp.full(n, -1, jnp.int32).at[first].set(jnp.where(live, length - 1, -1)),
+        slots=jnp.full(n, -1, jnp.int32).at[first].set(slot), block_tables=st.block_tables,
+        logit_rows=jnp.arange(n, dtype=jnp.int32), num_logit_rows=n_live * k1,
+        with_logprobs=jnp.bool_(False), sampling=_sampling_rows(sp, order, length, plen, k1, n))
+    dev = DeviceState(st.cache, st.history)
+    if spec is None:
+        dev, drawn = model_step(w, dev, batch, cfg=cfg.model, row_tile=cfg.row_tile,
+                                sampler=cfg.sampler, attention=cfg.attention)
+        st = dataclasses.replace(st, cache=dev.cache)
+        zero = jnp.zeros(s, jnp.int32)
+        return _commit(st, order, live, drawn.tokens[:s, None], live.astype(jnp.int32), zero, zero,
+                       dev.history)
+    budget = jnp.minimum(sp.max_tokens - out_n, cfg.max_model_len - length)
+    k = jnp.clip(jnp.minimum(spec.num_speculative_tokens, budget - 1), 0)   # Speculator.k_for
+    k = jnp.where(live & (length + k <= cfg.draft_limit), k, 0)
+    if spec.disable_by_batch_size is not None:
+        k = jnp.where(n_live < spec.disable_by_batch_size, k, 0)
+    na = _tiles(2 * s, cfg.row_tile)
+    two = jnp.arange(s, dtype=jnp.int32) * 2                              # draft rows L-2, L-1
+    prev = st.history[order, jnp.maximum(length - 2, 0)]
+    put = lambda fill, a, b: jnp.full(na, fill, jnp.int32).at[two].set(a).at[two + 1].set(b)
+    on = lambda x: jnp.where(live, x, -1)
+    sb = SpecBatch(slots=slot, length=jnp.where(live, length, 0), k=k, verify_row=first,
+                   stop_ids=sp.stop_ids, min_left=jnp.maximum(sp.min_tokens - out_n, 0),
+                   budget=jnp.where(live, budget, 0), draft_tokens=put(0, prev, last),
+                   draft_positions=put(-1, on(length - 2), on(length - 1)),
+                   draft_slots=put(-1, slot, slot), draft_last=two + 1, verify_start=jnp.int32(0))
+    dev, dcache, _, accepted, out, emitted, drafted = spec_step(
+        w, dw, dev, st.draft_cache, batch, sb, cfg=cfg.model, dcfg=cfg.draft, rc=cfg.round_config,
+        row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention)
+    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
+    return _commit(st, order, live, out, emitted, accepted, drafted, dev.history)
+
+
+def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
+           draft_weights: W.Weights | None = None) -> State:
+    """Runs ``num_rounds`` rounds (plain: one token per live row; speculative: up to k + 1).
+    Finished rows take no part; ``num_rounds`` may be traced."""
+    w, dw = _weights(weights, draft_weights, cfg)
+    return lax.fori_loop(0, num_rounds, lambda _, st: _round(w, dw, st, cfg), state)
+
+
+def outputs(state: State, width: int) -> Outputs:
+    """The first ``width`` output tokens of each row, with lengths and acceptance counts."""
+    n = state.length - state.prompt_len
+    j = jnp.arange(width)[None, :]
+    pos = jnp.minimum(state.prompt_len[:, None] + j, state.history.shape[1] - 1)
+    ids = jnp.take_along_axis(state.history, pos, axis=1)
+    return Outputs(token_ids=jnp.where(j < n[:, None], ids, -1), num_tokens=n, finished=state.done,
+                   num_drafts=state.num_drafts, num_draft_tokens=state.num_draft_tokens,
+                   num_accepted_tokens=state.num_accepted_tokens)
+
+
+def generate(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config,
+             draft_weights: W.Weights | None = None, width: int | None = None) -> Outputs:
+    """prefill, then rounds until every row is done; ``width`` defaults to max_model_len - P."""
+    w, dw = _weights(weights, draft_weights, cfg)
+    state = _prefill(w, dw, prompt_ids, prompt_lens, sampling, cfg)
+    state = lax.while_loop(lambda st: jnp.any(~st.done), lambda st: _round(w, dw, st, cfg), state)
+    return outputs(state, width or cfg.max_model_len - prompt_ids.shape[1])

@@ -1,0 +1,187 @@
+"""sfjax.functional inside a user's jitted program: the tokens equal LLM.generate's (plain, ngram,
+draft_model; greedy and seeded sampling; stop tokens, min_tokens, max_tokens), and it composes
+(AOT lower/compile, lax.scan over calls, no recompiles for new prompts, a device mesh)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from sfjax import LLM, SamplingParams, toy
+from sfjax import functional as F
+from sfjax import weights as W
+from sfjax.config import ModelConfig
+
+B, MAX_LEN = 4, 64
+
+
+def _prompts(seed, n=B):
+    """Short prompts made of a repeated segment, so n-gram lookup finds drafts."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        seg = rng.integers(2, 500, 4).tolist()
+        out.append(seg * 3 + rng.integers(2, 500, rng.integers(1, 4)).tolist())
+    return out
+
+
+def _params(seed):
+    # stop tokens picked from the outputs these seeds give without them: rows end by "stop"
+    # (row 2's stop token falls inside its min_tokens, where it is suppressed instead)
+    return [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=seed + 3, max_tokens=20, top_p=0.9, stop_token_ids=[145]),
+            SamplingParams(temperature=0.7, seed=seed + 4, max_tokens=18, presence_penalty=0.5,
+                           min_tokens=3, stop_token_ids=[100]),
+            SamplingParams(temperature=1.0, seed=seed + 5, max_tokens=20, top_k=20, repetition_penalty=1.2)]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_folder, tmp_path_factory):
+    """The tiny target, and a draft made of its first layer (with its embeddings and head)."""
+    cfg = ModelConfig.from_folder(tiny_folder)
+    weights = W.load_hf(tiny_folder, cfg)
+    dcfg = dataclasses.replace(cfg, num_layers=1)
+    dw = dataclasses.replace(weights, **{f: getattr(weights, f)[:1] for f in W.LAYER_FIELDS})
+    draft = toy.build_model_folder(str(tmp_path_factory.mktemp("draft-1l")), dcfg, weights=dw)
+    return dict(folder=tiny_folder, cfg=cfg, weights=weights, draft=draft, draft_weights=dw)
+
+
+def _spec(method, pair):
+    return {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+            "draft_model": {"method": "draft_model", "model": pair["draft"], "num_speculative_tokens": 3}}[method]
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    """``engine(method)``: one LLM per method for the module (its compiled steps are reused)."""
+    built = {}
+
+    def make(method):
+        if method not in built:
+            built[method] = LLM(pair["folder"], max_num_seqs=B, max_model_len=MAX_LEN,
+                                speculative_config=_spec(method, pair))
+        return built[method]
+
+    return make
+
+
+def user_program(cfg: F.Config):
+    """What a user writes: a jitted function from weights and a batch of prompt ids to generated
+    ids (plus the counts)."""
+    @jax.jit
+    def generate(weights, draft_weights, prompt_ids, prompt_lens, sampling):
+        out = F.generate(weights, prompt_ids, prompt_lens, sampling, cfg, draft_weights, width=24)
+        return out.token_ids, out.num_tokens, out.num_draft_tokens, out.num_accepted_tokens
+    return generate
+
+
+def _run(gen, pair, prompts, params, draft=True):
+    ids, lens = F.pad_prompts(prompts, length=16, batch=B)
+    sp = F.Sampling.from_params(params + [params[0]] * (B - len(params)), eos_token_ids=pair["cfg"].eos_token_ids)
+    tokens, n, drafted, accepted = jax.device_get(gen(pair["weights"], pair["draft_weights"] if draft else None,
+                                                      ids, lens, sp))
+    return [tokens[i, :n[i]].tolist() for i in range(B)], n, drafted, accepted
+
+
+def _engine(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft_model"])
+def test_tokens_and_counts_equal_llm_generate(pair, engine, method):
+    spec = _spec(method, pair)
+    llm = engine(method)
+    gen = user_program(F.Config(pair["cfg"], MAX_LEN, speculative_config=spec))
+    reasons = set()
+    for seed in (0, 1):                        # new prompts and seeds, the same bucket
+        prompts, params = _prompts(seed), _params(seed)
+        ref = _engine(llm, prompts, params)
+        got, n, drafted, accepted = _run(gen, pair, prompts, params, draft=method == "draft_model")
+        assert got == [o.outputs[0].token_ids for o in ref]
+        reasons |= {o.outputs[0].finish_reason for o in ref}
+        if spec is not None:
+            counts = [(m["num_draft_tokens"], m["num_accepted_tokens"])
+                      for m in (o.metrics.spec_decode for o in ref)]
+            assert list(zip(drafted.tolist(), accepted.tolist())) == counts
+    assert gen._cache_size() == 1                 # the second batch did not recompile
+    assert reasons == {"stop", "length"}
+    if spec is not None:
+        assert 0 < sum(accepted) < sum(drafted)
+
+
+def test_aot_compile_scan_over_calls_and_empty_rows(pair, engine):
+    cfg = F.Config(pair["cfg"], MAX_LEN)
+    batches = [_prompts(seed) for seed in (2, 3)]
+    params = _params(2)
+    ids, lens = zip(*(F.pad_prompts(p, length=16) for p in batches))
+    sp = F.Sampling.from_params(params, eos_token_ids=pair["cfg"].eos_token_ids)
+
+    def many(weights, ids, lens, sp):
+        """lax.scan over several generate calls in one program."""
+        return jax.lax.scan(lambda c, x: (c, F.generate(weights, x[0], x[1], sp, cfg).token_ids), 0,
+                            (ids, lens))[1]
+
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    args = (W.abstract(pair["cfg"]), abstract(np.stack(ids)), abstract(np.stack(lens)),
+            jax.tree.map(abstract, sp))
+    compiled = jax.jit(many).lower(*args).compile()           # ahead of time, from shapes alone
+    got = jax.device_get(compiled(pair["weights"], np.stack(ids), np.stack(lens), sp))
+    for prompts, tokens in zip(batches, got):
+        ref = [o.outputs[0].token_ids for o in _engine(engine("plain"), prompts, params)]
+        assert [t[t >= 0].tolist() for t in tokens] == ref
+    # a batch bucket with an empty row: it stays done and empty, the others are unchanged
+    ids3, lens3 = F.pad_prompts(batches[0][:3], length=16, batch=B)
+    part = jax.device_get(compiled(pair["weights"], np.stack([ids3, ids[1]]), np.stack([lens3, lens[1]]), sp))
+    assert (part[0][3] == -1).all() and (part[0][:3] == got[0][:3]).all() and (part[1] == got[1]).all()
+
+
+def test_runs_under_a_mesh_and_shard_map(pair, engine):
+    """Nothing in the functional path blocks sharding: no host callbacks, no device assumptions.
+    (check_vma=False: the row-tile loops start from unvarying zeros; the sharding issue decides
+    how the model runs under shard_map.)"""
+    cfg = F.Config(pair["cfg"], MAX_LEN, speculative_config=_spec("ngram", pair))
+    prompts, params = _prompts(4), _params(4)
+    ids, lens = F.pad_prompts(prompts, length=16)
+    sp = F.Sampling.from_params(params, eos_token_ids=pair["cfg"].eos_token_ids)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    rows = P("data")
+    fn = jax.shard_map(lambda w, i, n, s: F.generate(w, i, n, s, cfg).token_ids, mesh=mesh,
+                       in_specs=(P(), rows, rows, rows), out_specs=rows, check_vma=False)
+    with jax.set_mesh(mesh):
+        tokens = jax.device_get(jax.jit(fn)(pair["weights"], ids, lens, sp))
+    ref = _engine(engine("ngram"), prompts, params)
+    assert [t[t >= 0].tolist() for t in tokens] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_weights_are_checked_against_the_config(pair):
+    cfg = F.Config(pair["cfg"], MAX_LEN, speculative_config={
+        "method": "draft_model", "model": pair["cfg"], "num_speculative_tokens": 2})
+    ids, lens = F.pad_prompts(_prompts(0))
+    sp = F.Sampling.from_params(_params(0), eos_token_ids=())
+    w = pair["weights"]
+
+    def trace(weights, draft):
+        jax.eval_shape(lambda a, b: F.generate(a, ids, lens, sp, cfg, b), weights, draft)
+
+    with pytest.raises(ValueError, match=r"^weights.wk: shape \(2, 64, 16\), config needs \(2, 64, 32\)"):
+        trace(dataclasses.replace(w, wk=w.wk[..., :16]), w)
+    with pytest.raises(ValueError, match=r"^weights.embed: dtype bfloat16, config needs float32"):
+        trace(jax.tree.map(lambda x: x.astype(jnp.bfloat16), w), w)
+    split = W.split_layers(w)
+    with pytest.raises(ValueError, match=r"^weights.wo\[1\]: shape \(32, 64\), config needs \(64, 64\)"):
+        trace(dataclasses.replace(split, wo=(split.wo[0], split.wo[1][:32])), w)
+    with pytest.raises(ValueError, match=r"^draft_weights.w_up: shape"):
+        trace(w, dataclasses.replace(w, w_up=w.w_up[:1]))
+    with pytest.raises(ValueError, match="draft_weights: the draft_model method needs"):
+        trace(w, None)
+
+
+def test_sampling_params_the_functional_path_cannot_honour_are_refused():
+    for bad in (dict(stop=["x"]), dict(logprobs=2), dict(logit_bias={3: 1.0}), dict(disable_spec_decode=True)):
+        with pytest.raises(ValueError, match="not offered by sfjax.functional"):
+            F.Sampling.from_params(SamplingParams(temperature=0, **bad), eos_token_ids=())
+    with pytest.raises(ValueError, match="seed"):
+        F.Sampling.from_params(SamplingParams(temperature=1.0), eos_token_ids=())
