@@ -1,4 +1,4 @@
-"""The ``sfjax`` command: ``sfjax generate "def fib(n):"``."""
+"""The ``sfjax`` command: ``sfjax generate "def fib(n):"``, ``sfjax bench``."""
 
 from __future__ import annotations
 
@@ -8,33 +8,127 @@ import logging
 import sys
 import time
 
+from sfjax import benchmark as B
+
+
+def _llm(args):
+    from sfjax import LLM
+
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
+    if spec is not None and not isinstance(spec, dict):
+        raise ValueError("--speculative-config must be a JSON object, e.g. "
+                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed or 0,
+               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+               enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec)
+
+
+def _params(args, **over):
+    from sfjax import SamplingParams
+
+    return SamplingParams(**{**dict(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        stop=args.stop or None), **over})
+
+
+def _acceptance(llm) -> str:
+    m = llm.get_metrics().get("spec_decode")
+    if m is None:
+        return ""
+    return (f"; acceptance rate {m['acceptance_rate']:.2f}, "
+            f"mean acceptance length {m['mean_acceptance_length']:.2f}")
+
 
 def _generate(args) -> int:
-    from sfjax import LLM, SamplingParams
-
     prompts = list(args.prompts)
     if args.file:
         with open(args.file) as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         raise ValueError("no prompts: give them as arguments or with --file")
-    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens,
-                            ignore_eos=args.ignore_eos)
+    params = _params(args)
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed or 0)
+    llm = _llm(args)
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.json)
     t2 = time.perf_counter()
     if args.json:
         print(json.dumps([{"prompt": o.prompt, "text": o.outputs[0].text,
                            "token_ids": o.outputs[0].token_ids,
-                           "finish_reason": o.outputs[0].finish_reason} for o in outs], indent=2))
+                           "finish_reason": o.outputs[0].finish_reason,
+                           "spec_decode": o.metrics.spec_decode} for o in outs], indent=2))
         return 0
     for o in outs:
         print(f"Prompt: {o.prompt!r}, Generated text: {o.outputs[0].text!r}")
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"load {t1 - t0:.2f} s; generate {n} tokens in {t2 - t1:.2f} s (includes compilation)")
+    print(f"load {t1 - t0:.2f} s; generate {n} tokens in {t2 - t1:.2f} s (includes compilation)"
+          f"{_acceptance(llm)}")
     return 0
+
+
+def _bench(args) -> int:
+    llm = _llm(args)
+    if args.prompts_file:
+        work = B.file_workload(args.prompts_file, llm.get_tokenizer(), args.output_len, args.num_prompts)
+    else:
+        work = B.random_workload(args.num_prompts or 32, args.input_len, args.output_len,
+                                 llm.model_config.vocab_size, args.seed or 0)
+    params = _params(args, ignore_eos=True, stop=None)
+    t0 = time.monotonic()
+    B.run_engine(llm, work, params)                    # compiles every shape the run uses
+    warm = time.monotonic() - t0
+    r = B.run_engine(llm, work, params)
+    result = {"sfjax": r, "compile_and_warmup_s": warm}
+    if not args.json:
+        print(B.report(r))
+        print(f"(compilation and warm-up, before the timed run: {warm:.2f} s)")
+    if args.compare_hf:
+        modes = {"plain": {}}
+        spec = llm.engine.spec
+        k = spec.k_max if spec else 4
+        modes["prompt_lookup"] = {"prompt_lookup_num_tokens": k}
+        if spec is not None and spec.config.method == "draft_model":
+            modes["assisted"] = {"assistant_model": str(spec.config.model),
+                                 "num_assistant_tokens": k,
+                                 "num_assistant_tokens_schedule": "constant"}
+        hf = B.run_hf(llm.model_path, work, args.temperature, modes)
+        result["hf"] = hf
+        ours = r["output_tokens"] / r["duration"]
+        if not args.json:
+            print(f"{' HF transformers (batch 1, same prompt ids) ':=^50}")
+            for name, h in hf.items():
+                rate = h["output_tokens"] / h["duration"]
+                print(f"{f'HF {name} (tok/s):':<40}{rate:<10.2f} sfjax / HF: {ours / rate:.2f}x")
+            best = max(h["output_tokens"] / h["duration"] for h in hf.values())
+            print(f"{'sfjax / HF best:':<40}{ours / best:.2f}x")
+            if args.temperature == 0 and any(h["tokens"] != r["tokens"] for h in hf.values()):
+                print("note: some HF greedy tokens differ from sfjax's (float ties or dtype)")
+    if args.json:
+        strip = lambda d: {k: v for k, v in d.items() if k != "tokens"}
+        result["sfjax"] = strip(r)
+        result["hf"] = {k: strip(v) for k, v in result.get("hf", {}).items()}
+        print(json.dumps(result, indent=2, default=float))
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": "path/to/draft", '
+                        '"num_speculative_tokens": 4}\'')
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,15 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for prompts")
     g.add_argument("prompts", nargs="*", help="prompt strings")
     g.add_argument("--file", help="a file of prompts, one per line")
-    g.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--json", action="store_true", help="print JSON instead of text")
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    _common(g)
     g.set_defaults(run=_generate)
+    b = sub.add_parser("bench", help="latency and throughput with vLLM's labels; --compare-hf",
+                       description=B.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--prompts-file", help="prompts, one per line (or .jsonl with 'prompt')")
+    b.add_argument("--num-prompts", type=int, default=None, help="default: 32 random, or the file's")
+    b.add_argument("--input-len", type=int, default=128, help="random prompts: tokens each")
+    b.add_argument("--output-len", type=int, default=128, help="new tokens per request (EOS ignored)")
+    b.add_argument("--compare-hf", action="store_true",
+                   help="also run HF transformers generate (plain, prompt lookup, assisted) on the "
+                        "same prompt ids, one at a time, and print the ratios (needs torch)")
+    _common(b)
+    b.set_defaults(run=_bench, max_tokens=None, ignore_eos=True, stop=None)
     return parser
 
 
@@ -60,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     try:
         return args.run(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:   # json.JSONDecodeError is a ValueError
         print(f"sfjax {args.command}: error: {e}", file=sys.stderr)
         return 2
 

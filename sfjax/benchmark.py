@@ -1,0 +1,148 @@
+"""``sfjax bench``: offline serving latency and throughput with vLLM's benchmark labels, and the
+same prompts through HF transformers in the same run (``--compare-hf``).
+
+Definitions follow vLLM's benchmark: TTFT is a request's first token time less its arrival; TPOT
+is (latency - TTFT) / (output tokens - 1); ITL pools the gaps between a request's successive
+token deliveries (a speculative round delivers several tokens at once: one gap). Every request
+arrives at t = 0; at most ``max_num_seqs`` run at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Workload:
+    prompt_ids: list[list[int]]
+    max_tokens: list[int]
+    prompts: list[str | None]
+
+
+def random_workload(num: int, input_len: int, output_len: int, vocab: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(3, vocab, input_len).tolist() for _ in range(num)]
+    return Workload(ids, [output_len] * num, [None] * num)
+
+
+def file_workload(path: str, tokenizer, output_len: int, num: int | None) -> Workload:
+    """Prompts from a text file (one per line) or a JSONL file ({"prompt": ...} per line)."""
+    with open(path) as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    if path.endswith(".jsonl"):
+        lines = [json.loads(line)["prompt"] for line in lines]
+    lines = lines[:num] if num else lines
+    if not lines:
+        raise ValueError(f"--prompts-file: {path!r} has no prompts")
+    return Workload([tokenizer.encode(p).ids for p in lines], [output_len] * len(lines), lines)
+
+
+def run_engine(llm, work: Workload, params) -> dict:
+    """Runs the workload through ``llm.engine`` step by step; returns per-request timings."""
+    eng = llm.engine
+    before = llm.get_metrics().get("spec_decode")
+    t0 = time.monotonic()
+    ids = []
+    for i, (p, n) in enumerate(zip(work.prompt_ids, work.max_tokens)):
+        rid = f"bench-{time.monotonic_ns()}-{i}"
+        eng.add_request(rid, {"prompt_token_ids": p}, dataclasses.replace(params, max_tokens=n))
+        ids.append(rid)
+    deliveries = {rid: [] for rid in ids}           # (time, tokens) per step that gave tokens
+    tokens = {}
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        now = time.monotonic()
+        for out in outs:
+            if out.new_token_ids:
+                deliveries[out.request_id].append((now, len(out.new_token_ids)))
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    duration = time.monotonic() - t0
+    after = llm.get_metrics().get("spec_decode")
+    spec = None
+    if after is not None:
+        d = {k: after[k] - (before[k] if before else 0)
+             for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        spec = {"acceptance_rate": d["num_accepted_tokens"] / max(d["num_draft_tokens"], 1),
+                "mean_acceptance_length": 1 + d["num_accepted_tokens"] / max(d["num_drafts"], 1), **d}
+    ttft, tpot, itl = [], [], []
+    for rid in ids:
+        times = [t for t, _ in deliveries[rid]]
+        n = sum(k for _, k in deliveries[rid])
+        ttft.append(times[0] - t0)
+        if n > 1:
+            tpot.append((times[-1] - times[0]) / (n - 1))
+        itl += list(np.diff(times))
+    return {"duration": duration, "tokens": [tokens[r] for r in ids], "ttft": ttft, "tpot": tpot,
+            "itl": itl, "input_tokens": sum(map(len, work.prompt_ids)),
+            "output_tokens": sum(len(tokens[r]) for r in ids), "spec": spec}
+
+
+def report(r: dict, title: str = "Serving Benchmark Result") -> str:
+    """vLLM's result block, plus speculative decoding's acceptance."""
+    ms = lambda xs, f: 1000 * float(f(xs)) if xs else float("nan")
+    n = len(r["tokens"])
+    lines = [f"{' ' + title + ' ':=^50}",
+             f"{'Successful requests:':<40}{n:<10}",
+             f"{'Benchmark duration (s):':<40}{r['duration']:<10.2f}",
+             f"{'Total input tokens:':<40}{r['input_tokens']:<10}",
+             f"{'Total generated tokens:':<40}{r['output_tokens']:<10}",
+             f"{'Request throughput (req/s):':<40}{n / r['duration']:<10.2f}",
+             f"{'Output token throughput (tok/s):':<40}{r['output_tokens'] / r['duration']:<10.2f}",
+             f"{'Total token throughput (tok/s):':<40}"
+             f"{(r['input_tokens'] + r['output_tokens']) / r['duration']:<10.2f}"]
+    for name, key, head in (("TTFT", "ttft", "Time to First Token"),
+                            ("TPOT", "tpot", "Time per Output Token (excl. 1st token)"),
+                            ("ITL", "itl", "Inter-token Latency")):
+        lines.append(f"{head:-^50}")
+        for stat, f in (("Mean", np.mean), ("Median", np.median),
+                        ("P99", lambda x: np.percentile(x, 99))):
+            lines.append(f"{f'{stat} {name} (ms):':<40}{ms(r[key], f):<10.2f}")
+    if r["spec"] is not None:
+        s = r["spec"]
+        lines += [f"{'Speculative Decoding':-^50}",
+                  f"{'Acceptance rate (%):':<40}{100 * s['acceptance_rate']:<10.2f}",
+                  f"{'Mean acceptance length:':<40}{s['mean_acceptance_length']:<10.2f}",
+                  f"{'Drafts:':<40}{s['num_drafts']:<10}",
+                  f"{'Draft tokens:':<40}{s['num_draft_tokens']:<10}",
+                  f"{'Accepted tokens:':<40}{s['num_accepted_tokens']:<10}"]
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def run_hf(model_path: str, work: Workload, temperature: float, modes: dict[str, dict]) -> dict:
+    """HF transformers ``generate`` over the same prompt ids, one request at a time (assisted
+    generation takes batch 1), once per mode ({name: generate kwargs}). Returns {name: result}
+    with duration, output tokens and token ids. Imports torch: only for ``--compare-hf``."""
+    try:
+        import torch
+        from transformers import LlamaForCausalLM
+    except ImportError as e:
+        raise ValueError(f"--compare-hf needs torch and transformers installed ({e})") from None
+    load = lambda p: LlamaForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+    model = load(model_path)
+    out = {}
+    for name, kw in modes.items():
+        kw = dict(kw)
+        if "assistant_model" in kw:
+            kw["assistant_model"] = load(kw["assistant_model"])
+        runs = []
+        for attempt in range(2):                       # the first pass warms torch up
+            t0, toks = time.monotonic(), []
+            for p, n in zip(work.prompt_ids, work.max_tokens):
+                x = torch.tensor([p])
+                sample = dict(do_sample=True, temperature=temperature) if temperature > 0 else \
+                    dict(do_sample=False)
+                with torch.inference_mode():
+                    y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                       min_new_tokens=n, pad_token_id=0, **sample, **kw)
+                toks.append(y[0, len(p):].tolist())
+            runs.append((time.monotonic() - t0, toks))
+        duration, toks = runs[-1]
+        out[name] = {"duration": duration, "tokens": toks,
+                     "output_tokens": sum(map(len, toks))}
+    return out

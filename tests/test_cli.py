@@ -1,0 +1,59 @@
+"""The ``sfjax`` command: generate, bench (vLLM's labels, --compare-hf), help and errors."""
+
+import json
+
+import pytest
+
+from sfjax.cli import main
+
+
+def test_generate_json_with_speculation(tiny_folder, capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert main(["generate", "hello world", "def f(x):", "--model", tiny_folder, "--max-tokens", "6",
+                 "--ignore-eos", "--speculative-config", spec, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [len(o["token_ids"]) for o in out] == [6, 6]
+    assert all(o["spec_decode"] is not None for o in out)
+
+
+def test_bench_prints_vllm_labels_and_compares_with_hf(tiny_folder, capsys):
+    assert main(["bench", "--model", tiny_folder, "--num-prompts", "3", "--input-len", "8",
+                 "--output-len", "5", "--max-num-seqs", "2", "--compare-hf"]) == 0
+    text = capsys.readouterr().out
+    for label in ("Successful requests:", "Benchmark duration (s):", "Total token throughput (tok/s):",
+                  "Output token throughput (tok/s):", "Mean TTFT (ms):", "Median TTFT (ms):",
+                  "P99 TTFT (ms):", "Mean TPOT (ms):", "Median TPOT (ms):", "P99 TPOT (ms):",
+                  "Mean ITL (ms):", "Median ITL (ms):", "P99 ITL (ms):", "HF plain (tok/s):",
+                  "HF prompt_lookup (tok/s):", "sfjax / HF best:"):
+        assert label in text
+    assert "Successful requests:                    3" in text
+
+
+def test_bench_json_reports_acceptance(tiny_folder, capsys):
+    spec = json.dumps({"method": "draft_model", "model": tiny_folder, "num_speculative_tokens": 2})
+    assert main(["bench", "--model", tiny_folder, "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "6", "--speculative-config", spec, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["sfjax"]
+    assert r["output_tokens"] == 12 and len(r["ttft"]) == 2
+    assert r["spec"]["acceptance_rate"] == 1.0          # the draft is the target
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "x", "--model", "/nonexistent"], "is not a folder"),
+    (["generate", "x", "--speculative-config", "{bad json"], "Expecting property name"),
+    (["generate", "x", "--speculative-config", "[1]"], "must be a JSON object"),
+    (["generate"], "no prompts"),
+])
+def test_errors_are_one_line_and_exit_2(argv, message, capsys, tiny_folder):
+    if "--model" not in argv:
+        argv = argv + ["--model", tiny_folder]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith(f"sfjax {argv[0]}: error:")
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0 and "--speculative-config" in capsys.readouterr().out
