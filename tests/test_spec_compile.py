@@ -28,3 +28,22 @@ def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
                         presence_penalty=0.5) for i in range(4)])
     assert spec_step._cache_size() == warm
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+def test_precompile_covers_every_step_of_a_run(model_folder):
+    """After ``Engine.precompile``, a run of mixed prompt lengths, batch sizes, sampling modes and
+    speculation compiles nothing more."""
+    from sfjax.step import model_step
+
+    target = model_folder(toy.tiny_config(), seed=0, std=0.1)
+    llm = LLM(target, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert llm.engine.precompile(progress=False) > 0
+    compiled = (model_step._cache_size(), spec_step._cache_size())
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(2, 500, n).tolist()} for n in (3, 30, 11)]
+    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                           SamplingParams(temperature=1.0, seed=1, max_tokens=5),
+                           SamplingParams(temperature=0, max_tokens=12, disable_spec_decode=True)],
+                 use_tqdm=False)
+    assert (model_step._cache_size(), spec_step._cache_size()) == compiled

@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sfjax import sampling
+from jax.sharding import PartitionSpec as P
+
+from sfjax import model, sampling, sharding
 from sfjax.cache import KVCache, BlockAllocator, validate_block_size
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
@@ -24,7 +26,7 @@ from sfjax.spec.registry import Registry
 from sfjax.spec.round import spec_step
 from sfjax.step import DeviceState, StepBatch, model_step, write_history
 from sfjax.tokenizer import IncrementalDetokenizer
-from sfjax.weights import Weights, split_layers
+from sfjax.weights import Weights
 
 logger = logging.getLogger("sfjax")
 
@@ -78,16 +80,18 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer, config: EngineConfig,
                  eos_token_ids: tuple[int, ...] = (), speculative: SpeculativeConfig | None = None,
-                 draft: tuple[ModelConfig, Weights] | None = None):
+                 draft: tuple[ModelConfig, Weights] | None = None, mesh=None):
+        """``mesh``: a (data, model) ``jax.sharding.Mesh`` (``sharding.make_mesh``) to shard the
+        weights, the KV cache and the steps over; None runs on the default device."""
         self.cfg = cfg
+        self.mesh = mesh
+        if mesh is not None:
+            sharding.validate(cfg, mesh)
         loop = config.layer_loop
         if loop not in ("auto", "scan", "unrolled"):
             raise ValueError(f"layer_loop must be auto, scan or unrolled; got {loop!r}")
         self._split = loop == "unrolled" or (loop == "auto" and jax.default_backend() == "cpu")
-        if self._split:
-            weights = split_layers(weights)
-            draft = (draft[0], split_layers(draft[1])) if draft else None
-        self.weights = weights
+        self.weights = model.place_weights(weights, cfg, mesh, self._split)
         self.tokenizer = tokenizer
         max_len = config.max_model_len or cfg.max_position_embeddings
         if max_len > cfg.max_position_embeddings:
@@ -105,11 +109,12 @@ class Engine:
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    cache_lag=1 if draft is not None else 0)
-        self.state = DeviceState(cache=KVCache.zeros(cfg, num_blocks, config.block_size),
-                                 history=jnp.zeros((config.max_num_seqs, max_len), jnp.int32))
+        self.state = DeviceState(
+            cache=KVCache.zeros(cfg, num_blocks, config.block_size, mesh=mesh),
+            history=sharding.zeros((config.max_num_seqs, max_len), jnp.int32, P(), mesh))
         self.registry = Registry()
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
-                                self.registry) if speculative else None)
+                                self.registry, mesh, self._split) if speculative else None)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
@@ -222,10 +227,7 @@ class Engine:
         if self.spec and (spec_k or self.spec.draft_cfg is not None):
             return self._spec_step(plan, spec_k)
         batch, meta = self._build_batch(plan)
-        self.state, drawn = model_step(self.weights, self.state, batch, cfg=self.cfg,
-                                       row_tile=self.config.row_tile, sampler=self.config.sampler,
-                                       attention=self.config.attention)
-        drawn = jax.device_get(drawn)
+        drawn = jax.device_get(self._run_plain(batch))
         for s in plan:
             self.scheduler.set_computed(s.request, s.start + s.count)
         return self._read_rows(meta, drawn, 0)
@@ -277,14 +279,12 @@ class Engine:
         draft = (speculation.draft_rows(plan, decode) if spec.draft_cfg is not None
                  else ([], [], [], {}))                 # n-gram: no draft model to feed
         stops = {i: self._stop_rule(plan[i].request) for i in order}
-        sb = speculation.spec_batch(plan, spec_k, verify_row, draft, stops, n_slots,
-                                    _bucket(max(len(draft[0]), 2 * n_slots if draft[0] else 1),
-                                            self.config.row_tile), start)
-        self.state, spec.draft_cache, drawn, accepted, out, emitted, drafted = spec_step(
-            self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb, cfg=self.cfg,
-            dcfg=spec.draft_cfg, rc=spec.round, row_tile=self.config.row_tile,
-            sampler=self.config.sampler, attention=self.config.attention)
-        drawn, accepted, out, emitted, drafted = jax.device_get((drawn, accepted, out, emitted, drafted))
+        # the draft pass takes the target's row count (padding tiles cost nothing), or the next
+        # bucket when many plain decode rows (two draft rows each) overflow it: few shapes
+        n_draft = (_bucket(max(len(draft[0]), len(batch.tokens)), self.config.row_tile)
+                   if draft[0] else self.config.row_tile)
+        sb = speculation.spec_batch(plan, spec_k, verify_row, draft, stops, n_slots, n_draft, start)
+        drawn, accepted, out, emitted, drafted = jax.device_get(self._run_spec(batch, sb))
         for i, s in enumerate(plan):
             if i not in spec_k:
                 self.scheduler.set_computed(s.request, s.start + s.count)
@@ -312,6 +312,67 @@ class Engine:
                 m.add(int(drafted[r]), min(int(accepted[r]), len(new)))
             outputs.append(self.output(req, new_token_ids=new))
         return self._read_rows(meta[:start], drawn, 0) + outputs
+
+    def _run_plain(self, batch: StepBatch):
+        self.state, drawn = model_step(self.weights, self.state, batch, cfg=self.cfg,
+                                       row_tile=self.config.row_tile, sampler=self.config.sampler,
+                                       attention=self.config.attention, mesh=self.mesh)
+        return drawn
+
+    def _run_spec(self, batch: StepBatch, sb):
+        spec = self.spec
+        self.state, spec.draft_cache, *out = spec_step(
+            self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb, cfg=self.cfg,
+            dcfg=spec.draft_cfg, rc=spec.round, row_tile=self.config.row_tile,
+            sampler=self.config.sampler, attention=self.config.attention, mesh=self.mesh,
+            draft_mesh=spec.mesh)
+        return out
+
+    # -- compiling ahead -----------------------------------------------------------------------
+
+    def shape_buckets(self) -> list[tuple]:
+        """Every (kind, N, R, draft rows) a step of this engine can take; prompt-logprob rows
+        beyond ``max_num_seqs`` draws, and sampling lists longer than 4 entries (min_tokens stop
+        ids, logit_bias, allowed_token_ids), add shapes not listed here."""
+        c, tile = self.config, self.config.row_tile
+        span = lambda lo, hi: sorted({_bucket(x, tile) for x in (lo, hi)} |
+                                     {b for b in (tile * 2**j for j in range(24))
+                                      if _bucket(lo, tile) <= b <= _bucket(hi, tile)})
+        max_draws = c.max_num_seqs
+        out = []
+        if self.spec is None or self.spec.draft_cfg is None:          # plain steps
+            out += [("plain", n, r, 0) for n in span(1, c.max_num_batched_tokens)
+                    for r in span(1, max_draws) if r <= n]
+        if self.spec is not None:
+            k1 = self.spec.k_max + 1
+            verify = c.max_num_seqs * k1
+            ns = span(verify, c.max_num_batched_tokens + c.max_num_seqs * self.spec.k_max)
+            rs = span(verify, verify + max_draws)
+            ds = lambda n: [n, 2 * n] if self.spec.draft_cfg is not None else [tile]
+            out += [("spec", n, r, d) for n in ns for r in rs for d in ds(n)]
+        return out
+
+    def precompile(self, progress: bool = True) -> float:
+        """Compiles every shape bucket (``shape_buckets``) by running each step once on padding
+        rows, which write only the null block; returns the seconds spent."""
+        from tqdm.auto import tqdm
+
+        t0 = time.monotonic()
+        for kind, n, r, d in tqdm(self.shape_buckets(), desc="Compiling shape buckets",
+                                  disable=not progress, dynamic_ncols=True):
+            if kind == "plain":
+                batch, _ = self._build_batch([], ([], [], []), [(None, -1, 0)] * r, min_rows=n)
+                self._run_plain(batch)
+                continue
+            k1 = self.spec.k_max + 1
+            tail = [(None, -1, 0)] * r
+            batch, meta = self._build_batch([], ([], [], []), tail, min_rows=n)
+            start = r - self.config.max_num_seqs * k1
+            sb = speculation.spec_batch([], {}, {}, ([], [], [], {}), {}, self.config.max_num_seqs,
+                                        d, start)
+            self._run_spec(batch, sb)
+        jax.block_until_ready(self.state)
+        return time.monotonic() - t0
 
     def _stop_rule(self, req: Request) -> tuple[list[int], int, int]:
         """(stop token ids, index from which they count, tokens left) for the device."""
