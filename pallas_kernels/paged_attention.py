@@ -37,9 +37,10 @@ KEY_CHUNK = 64
 IMPLS = ("auto", "reference", "interpret", "triton", "mosaic_tpu")
 
 
-def _tile(q, positions, slots, *, k_cache, v_cache, layer, block_tables, sm_scale):
-    """One tile of rows. q [T, KVH, G, D]; positions, slots [T]; caches [L, blocks, bs, KVH, D]."""
-    t, kvh, g, d = q.shape
+def _head(q, head, positions, slots, *, k_cache, v_cache, layer, block_tables, sm_scale):
+    """One KV head of one tile of rows. q [T, G, D]; head int32; positions, slots [T]; caches
+    [L, blocks, bs, KVH, D]."""
+    t, g, d = q.shape
     block_size = k_cache.shape[2]
     tables = block_tables[jnp.maximum(slots, 0)]                      # [T, max_blocks]
     q = q.astype(jnp.float32)
@@ -50,24 +51,35 @@ def _tile(q, positions, slots, *, k_cache, v_cache, layer, block_tables, sm_scal
         kpos = c * KEY_CHUNK + jnp.arange(KEY_CHUNK)                   # [C]
         page = jnp.take(tables, kpos // block_size, axis=1, mode="clip")  # [T, C]
         off = jnp.broadcast_to(kpos % block_size, page.shape)
-        k = k_cache[layer, page, off].astype(jnp.float32)              # [T, C, KVH, D]
+        k = k_cache[layer, page, off, head].astype(jnp.float32)        # [T, C, D]
         valid = kpos[None, :] <= positions[:, None]                    # [T, C]
         # masked keys must not reach the output even as NaN (0 * NaN is NaN): zero their V
-        v = jnp.where(valid[..., None, None], v_cache[layer, page, off].astype(jnp.float32), 0.0)
-        s = jnp.einsum("tkgd,tckd->tkgc", q, k) * sm_scale
-        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        v = jnp.where(valid[..., None], v_cache[layer, page, off, head].astype(jnp.float32), 0.0)
+        s = jnp.einsum("tgd,tcd->tgc", q, k) * sm_scale
+        s = jnp.where(valid[:, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         l = alpha * l + p.sum(-1)
-        acc = alpha[..., None] * acc + jnp.einsum("tkgc,tckd->tkgd", p, v)
+        acc = alpha[..., None] * acc + jnp.einsum("tgc,tcd->tgd", p, v)
         return m_new, l, acc
 
-    init = (jnp.full((t, kvh, g), -jnp.inf, jnp.float32), jnp.zeros((t, kvh, g), jnp.float32),
-            jnp.zeros((t, kvh, g, d), jnp.float32))
+    init = (jnp.full((t, g), -jnp.inf, jnp.float32), jnp.zeros((t, g), jnp.float32),
+            jnp.zeros((t, g, d), jnp.float32))
     _, l, acc = lax.fori_loop(0, n_chunks, body, init)
     return acc / jnp.where(l == 0, 1.0, l)[..., None]
+
+
+def _tile(q, positions, slots, **kw):
+    """One tile of rows, one KV head at a time in a loop whose trip count the compiler cannot
+    see, so a head's bits do not depend on how many KV heads the cache holds (tensor parallelism
+    shards them). q [T, KVH, G, D]; positions, slots [T]."""
+    kvh = q.shape[1]
+    count = jnp.where(positions[0] > -2**30, kvh, 0)                   # kvh, opaque
+    one = lambda qh, h: _head(qh[0], h[0], positions, slots, **kw)[None]
+    out = per_tile(one, 1, count, q.transpose(1, 0, 2, 3), jnp.arange(kvh, dtype=jnp.int32))
+    return out.transpose(1, 0, 2, 3)
 
 
 def paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots, positions, *,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sfjax import sharding
 from sfjax.config import ModelConfig
 
 NULL_BLOCK = 0
@@ -31,10 +32,13 @@ class KVCache:
         return (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype=None) -> "KVCache":
+    def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype=None,
+              mesh=None) -> "KVCache":
+        """Zeroed pages; on a ``mesh`` sharded by ``sharding.CACHE_AXES`` (KV heads over model)."""
         shape = cls.shape(cfg, num_blocks, block_size)
         dtype = dtype or cfg.jnp_dtype
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        spec = sharding.cache_spec(cfg, mesh)
+        return cls(k=sharding.zeros(shape, dtype, spec, mesh), v=sharding.zeros(shape, dtype, spec, mesh))
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype=None) -> int:

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from sfjax import sharding
 from sfjax.config import ModelConfig
 from sfjax.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineConfig
 from sfjax.outputs import RequestOutput
@@ -20,7 +21,9 @@ from sfjax.weights import load_hf
 class LLM:
     """An engine over one HF model folder (config.json, safetensors, tokenizer.json).
 
-    ``model=None`` serves the embedded default model. Bad input raises ValueError naming the
+    ``model=None`` serves the embedded default model. ``tensor_parallel_size`` and
+    ``data_parallel_size`` shard it over a (data, model) mesh of the first tp * dp devices; or pass
+    a ``mesh`` (axes ``data`` and ``model``) built by the calling JAX program. Bad input raises ValueError naming the
     problem before anything runs: for ``generate``, every prompt and its SamplingParams are
     checked first, and if one is refused nothing of the call is enqueued, so no request is
     half-run or lost; requests already in the engine carry on.
@@ -32,13 +35,16 @@ class LLM:
                  max_num_batched_tokens: int | None = None, seed: int = 0, row_tile: int = 8,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto",
                  attention: str = "auto", enable_prefix_caching: bool = True,
-                 speculative_config: dict | SpeculativeConfig | None = None):
+                 speculative_config: dict | SpeculativeConfig | None = None,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
         if model is None:
             from sfjax.default_model import default_model_path
             model = default_model_path()
         model = os.fspath(model)
         if not os.path.isdir(model):
             raise ValueError(f"model: {model!r} is not a folder (an HF model folder is expected)")
+        if mesh is None and tensor_parallel_size * data_parallel_size > 1:
+            mesh = sharding.make_mesh(tensor_parallel_size, data_parallel_size)
         self.model_path = model
         self.model_config = ModelConfig.from_folder(model, dtype)
         self.tokenizer = load_tokenizer(tokenizer or model)
@@ -58,7 +64,8 @@ class LLM:
             draft_cfg = ModelConfig.from_folder(draft_path, dtype)
             draft = (draft_cfg, load_hf(draft_path, draft_cfg))
         self.engine = Engine(self.model_config, weights, self.tokenizer, config,
-                             generation_eos_ids(model, self.model_config.eos_token_ids), spec, draft)
+                             generation_eos_ids(model, self.model_config.eos_token_ids), spec, draft,
+                             mesh)
         self._next_id = 0
 
     def get_tokenizer(self):

@@ -10,17 +10,20 @@ construction (pallas_kernels/paged_attention.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.rows import num_tiles_of, per_tile
 from sfjax.cache import KVCache
+from sfjax import sharding
 from sfjax.config import ModelConfig, rope_frequencies
-from sfjax.weights import LAYER_FIELDS, Weights
+from sfjax.weights import LAYER_FIELDS, Weights, split_layers
 
 
 def rms_norm(x, w, eps):
@@ -39,19 +42,96 @@ def rope(x, positions, inv_freq):
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
+def block(w):
+    """[.., K, N] -> [.., U, K, N / U]: the fixed column blocks of ``matmul``."""
+    *lead, k, n = w.shape
+    u = sharding.blocks_of(n)
+    return jnp.moveaxis(w.reshape(*lead, k, u, n // u), -2, -3)
+
+
+def block_weights(weights: Weights) -> Weights:
+    """The weights with every matrix in ``matmul``'s blocked layout (done once by the engine;
+    model functions block plain weights themselves, at the cost of a copy per call)."""
+    def one(name, x):
+        if x is None or name in ("embed", "final_norm") or name.endswith("_norm"):
+            return x
+        if isinstance(x, (tuple, list)):
+            return tuple(a if a.ndim == 3 else block(a) for a in x)
+        return x if x.ndim == (4 if name in LAYER_FIELDS else 3) else block(x)
+    return dataclasses.replace(weights, **{f.name: one(f.name, getattr(weights, f.name))
+                                           for f in dataclasses.fields(weights)})
+
+
+def place_weights(weights: Weights, cfg: ModelConfig, mesh=None, split: bool = False) -> Weights:
+    """The engine's weights: blocked, split by layer if ``split`` (see ``forward``), and sharded
+    over ``mesh`` by the rules table (each process placing only its own devices' shards)."""
+    weights = block_weights(weights)
+    if split:
+        weights = split_layers(weights)
+    if mesh is None:
+        return weights
+    return sharding.put(weights, sharding.weight_specs(weights, cfg, mesh), mesh)
+
+
+def matmul(a, w, out_dtype=None):
+    """a [T, K] @ w in fixed column blocks: one batched dot of [T, K] x [K, W] products, w blocked
+    [U, K, W] (``block``). A device holding some of the blocks computes them with the same
+    per-block shapes as one holding all, so tensor parallelism keeps the bits (sfjax.sharding)."""
+    u, _, width = w.shape
+    o = lax.dot_general(jnp.broadcast_to(a[None], (u, *a.shape)), w, (((2,), (1,)), ((0,), (0,))),
+                        preferred_element_type=out_dtype)
+    return jnp.moveaxis(o, 0, 1).reshape(a.shape[0], u * width)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """How a call is split over the mesh (all 1 / False off a mesh)."""
+    tp: int = 1
+    dp: int = 1
+    kv_replicated: bool = False
+    vocab_sharded: bool = False
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, mesh):
+        if mesh is None:
+            return cls()
+        return cls(sharding.tp_of(mesh), sharding.dp_of(mesh), sharding.kv_replicated(cfg, mesh),
+                   sharding.vocab_sharded(cfg, mesh))
+
+    def columns(self, x, axis):
+        """All model shards' columns of ``x`` (an all-gather; nothing on one device)."""
+        return x if self.tp == 1 else lax.all_gather(x, sharding.MODEL, axis=axis, tiled=True)
+
+    def rows(self, x):
+        """Every data shard's rows of ``x``."""
+        return x if self.dp == 1 else lax.all_gather(x, sharding.DATA, axis=0, tiled=True)
+
+
+def _embed(embed, tokens, sp: _Split):
+    """Embedding rows; with the vocabulary sharded, each shard looks up its own ids and the owner's
+    row is selected from the gathered lookups (a selection, so the bits are the table's)."""
+    if not sp.vocab_sharded:
+        return embed[tokens]
+    v = embed.shape[0]
+    lo = lax.axis_index(sharding.MODEL) * v
+    local = embed[jnp.clip(tokens - lo, 0, v - 1)]
+    every = lax.all_gather(local, sharding.MODEL)                         # [tp, N, d]
+    return every[tokens // v, jnp.arange(tokens.shape[0])]
+
+
 def _qkv(x, positions, lw, cfg: ModelConfig, inv_freq):
     t = x.shape[0]
     h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-    q = (h @ lw["wq"]).reshape(t, cfg.num_heads, cfg.head_dim)
-    k = (h @ lw["wk"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    v = (h @ lw["wv"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    q = matmul(h, lw["wq"]).reshape(t, -1, cfg.head_dim)
+    k = matmul(h, lw["wk"]).reshape(t, -1, cfg.head_dim)
+    v = matmul(h, lw["wv"]).reshape(t, -1, cfg.head_dim)
     return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
 
 
-def _out_and_mlp(x, attn, lw, cfg: ModelConfig):
-    x = x + attn.reshape(x.shape[0], -1).astype(x.dtype) @ lw["wo"]
+def _mlp_in(x, delta, lw, cfg: ModelConfig):
+    x = x + delta
     h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
-    return x + (jax.nn.silu(h @ lw["w_gate"]) * (h @ lw["w_up"])) @ lw["w_down"]
+    return x, jax.nn.silu(matmul(h, lw["w_gate"])) * matmul(h, lw["w_up"])
 
 
 def cache_slots(block_tables, slots, positions, block_size):
@@ -62,41 +142,42 @@ def cache_slots(block_tables, slots, positions, block_size):
     return jnp.where(pad, 0, page), jnp.where(pad, 0, pos % block_size)
 
 
+def _attention(q, kc, vc, i, block_tables, slots, positions, cfg, row_tile, attention, sp: _Split):
+    """This shard's heads. With the KV cache replicated (kv_heads < tp) the shard's query heads are
+    placed among zeros for all heads, so attention runs with the single-device shapes."""
+    sm_scale = float(cfg.head_dim) ** -0.5
+    run = lambda q: paged_attention(q, kc, vc, i, block_tables, slots, positions, sm_scale=sm_scale,
+                                    row_tile=row_tile, impl=attention)
+    if not sp.kv_replicated:
+        return run(q)
+    h = q.shape[1]
+    lo = lax.axis_index(sharding.MODEL) * h
+    full = lax.dynamic_update_slice_in_dim(
+        jnp.zeros((q.shape[0], cfg.num_heads, cfg.head_dim), q.dtype), q, lo, 1)
+    return lax.dynamic_slice_in_dim(run(full), lo, h, 1)
 
 
-def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables,
-            cfg: ModelConfig, row_tile: int = 8, *, attention: str = "auto"):
-    """The ragged forward: writes each row's K/V to its page, returns hidden states.
-
-    Stacked weights run by ``lax.scan`` over the layer axis; weights from ``split_layers`` (a
-    tuple of per-layer arrays per field) run an unrolled layer loop. XLA:CPU copies a scanned
-    layer's weight slices every step (12 ms of an 18 ms llama-68m step, measured), so the engine
-    splits on CPU; GPU and TPU scan.
-
-    Args:
-      tokens, positions, slots: int32 [N] (N a multiple of ``row_tile``; padding: slot -1).
-      block_tables: int32 [max_seqs, max_blocks].
-      attention: ``pallas_kernels.paged_attention.paged_attention``'s impl ("auto": the Pallas
-        kernel on GPU and TPU, the reference on CPU; "interpret": the kernel in the interpreter).
-    Returns:
-      (hidden [N, d], cache) with this call's K/V written.
-    """
+def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables, *,
+             cfg: ModelConfig, row_tile: int, attention: str, sp: _Split):
+    """One shard's forward (the whole forward off a mesh). Stages are separate row-tile loops,
+    with the all-gathers between them, the same on one device as on many."""
     inv_freq = rope_frequencies(cfg)
     tiles = num_tiles_of(positions >= 0, row_tile)
-    x = weights.embed[tokens]
-    page, off = cache_slots(block_tables, slots, positions, cache.k.shape[2])
-    sm_scale = float(cfg.head_dim) ** -0.5
+    x = _embed(weights.embed, tokens, sp)
+    page, off = map(sp.rows, cache_slots(block_tables, slots, positions, cache.k.shape[2]))
+    tiled = lambda fn, *xs: per_tile(fn, row_tile, tiles, *xs)
 
     def layer(carry, lw, i):
         x, kc, vc = carry
-        q, k, v = per_tile(functools.partial(_qkv, lw=lw, cfg=cfg, inv_freq=inv_freq),
-                           row_tile, tiles, x, positions)
-        kc = kc.at[i, page, off].set(k.astype(kc.dtype))
-        vc = vc.at[i, page, off].set(v.astype(vc.dtype))
-        attn = paged_attention(q, kc, vc, i, block_tables, slots, positions, sm_scale=sm_scale,
-                               row_tile=row_tile, impl=attention)
-        x = per_tile(functools.partial(_out_and_mlp, lw=lw, cfg=cfg), row_tile, tiles, x, attn)
-        return x, kc, vc
+        q, k, v = tiled(functools.partial(_qkv, lw=lw, cfg=cfg, inv_freq=inv_freq), x, positions)
+        kc = kc.at[i, page, off].set(sp.rows(k).astype(kc.dtype))
+        vc = vc.at[i, page, off].set(sp.rows(v).astype(vc.dtype))
+        attn = _attention(q, kc, vc, i, block_tables, slots, positions, cfg, row_tile, attention, sp)
+        attn = sp.columns(attn, 1).astype(x.dtype)                        # [N, heads, D]
+        delta = sp.columns(tiled(lambda a: matmul(a.reshape(a.shape[0], -1), lw["wo"]), attn), 1)
+        x, act = tiled(functools.partial(_mlp_in, lw=lw, cfg=cfg), x, delta)
+        down = sp.columns(tiled(lambda a: matmul(a, lw["w_down"]), sp.columns(act, 1)), 1)
+        return x + down, kc, vc
 
     carry = (x, cache.k, cache.v)
     if isinstance(weights.wq, (tuple, list)):       # split_layers: one array per layer, unrolled
@@ -110,15 +191,81 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
     return x, KVCache(k=k, v=v)
 
 
-def logits(weights: Weights, hidden, cfg: ModelConfig, row_tile: int = 8, num_rows=None):
-    """Final norm and LM head, per tile; float32 [R, vocab]. Rows past ``num_rows`` (traced;
-    default all) are skipped by whole tiles and come out zero."""
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+def _pad_rows(mesh, row_tile, *xs):
+    """Rows padded (as padding rows, -1) so each data shard gets whole tiles."""
+    n = xs[0].shape[0]
+    m = sharding.pad_to(n, mesh, row_tile)
+    return [jnp.pad(x, (0, m - n), constant_values=fill) for x, fill in zip(xs, (0, -1, -1))]
+
+
+def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables,
+            cfg: ModelConfig, row_tile: int = 8, *, attention: str = "auto", mesh=None):
+    """The ragged forward: writes each row's K/V to its page, returns hidden states.
+
+    Stacked weights run by ``lax.scan`` over the layer axis; weights from ``split_layers`` (a
+    tuple of per-layer arrays per field) run an unrolled layer loop. XLA:CPU copies a scanned
+    layer's weight slices every step (12 ms of an 18 ms llama-68m step, measured), so the engine
+    splits on CPU; GPU and TPU scan.
+
+    Args:
+      tokens, positions, slots: int32 [N] (N a multiple of ``row_tile``; padding: slot -1).
+      block_tables: int32 [max_seqs, max_blocks].
+      attention: ``pallas_kernels.paged_attention.paged_attention``'s impl ("auto": the Pallas
+        kernel on GPU and TPU, the reference on CPU; "interpret": the kernel in the interpreter).
+      mesh: a (data, model) mesh (``sfjax.sharding``): the forward runs under ``shard_map`` with
+        the weights and cache sharded by the rules table and the rows split over ``data``.
+    Returns:
+      (hidden [N, d], cache) with this call's K/V written.
+    """
+    weights = block_weights(weights)
+    fn = functools.partial(_forward, cfg=cfg, row_tile=row_tile, attention=attention,
+                           sp=_Split.of(cfg, mesh))
+    if mesh is None:
+        return fn(weights, cache, tokens, positions, slots, block_tables)
+    n = tokens.shape[0]
+    rows, cs = P(sharding.DATA), sharding.cache_spec(cfg, mesh)
+    kv = KVCache(k=cs, v=cs)
+    hidden, cache = jax.shard_map(
+        fn, mesh=mesh, in_specs=(sharding.weight_specs(weights, cfg, mesh), kv, rows, rows, rows, P()),
+        out_specs=(rows, kv), check_vma=False)(weights, cache, *_pad_rows(mesh, row_tile, tokens, positions, slots),
+                              block_tables)
+    return hidden[:n], cache
+
+
+def _logits(weights: Weights, hidden, num_rows, *, cfg: ModelConfig, row_tile: int, sp: _Split):
+    n = hidden.shape[0]
+    first = lax.axis_index(sharding.DATA) * n if sp.dp > 1 else 0
 
     def fn(h):
         h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
-        return jnp.dot(h, head, preferred_element_type=jnp.float32)
+        if weights.lm_head is not None:
+            return matmul(h, weights.lm_head, jnp.float32)
+        width = cfg.vocab_size // sharding.blocks_of(cfg.vocab_size)       # tied: embed [V, d]
+        e = weights.embed.reshape(-1, width, cfg.hidden_size)                # free: [U, W, d]
+        o = lax.dot_general(jnp.broadcast_to(h[None], (e.shape[0], *h.shape)), e,
+                            (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+        return jnp.moveaxis(o, 0, 1).reshape(h.shape[0], -1)
 
+    rows = first + jnp.arange(n) < num_rows
+    out = per_tile(fn, row_tile, num_tiles_of(rows, row_tile), hidden)
+    return sp.columns(out, 1) if sp.vocab_sharded else out
+
+
+def logits(weights: Weights, hidden, cfg: ModelConfig, row_tile: int = 8, num_rows=None, *,
+           mesh=None):
+    """Final norm and LM head, per tile; float32 [R, vocab]. Rows past ``num_rows`` (traced;
+    default all) are skipped by whole tiles and come out zero. On a ``mesh``: under ``shard_map``,
+    rows over ``data``, the vocabulary over ``model`` (gathered at the end)."""
+    weights = block_weights(weights)
     n = hidden.shape[0]
-    rows = jnp.arange(n) < (n if num_rows is None else num_rows)
-    return per_tile(fn, row_tile, num_tiles_of(rows, row_tile), hidden)
+    num_rows = n if num_rows is None else num_rows
+    fn = functools.partial(_logits, cfg=cfg, row_tile=row_tile, sp=_Split.of(cfg, mesh))
+    if mesh is None:
+        return fn(weights, hidden, num_rows)
+    m = sharding.pad_to(n, mesh, row_tile)
+    head = dataclasses.replace(weights, **{f: None for f in LAYER_FIELDS})
+    out = jax.shard_map(fn, mesh=mesh,
+                        in_specs=(sharding.weight_specs(head, cfg, mesh), P(sharding.DATA), P()),
+                        out_specs=P(sharding.DATA), check_vma=False)(head, jnp.pad(hidden, ((0, m - n), (0, 0))),
+                                                     num_rows)
+    return out[:n]

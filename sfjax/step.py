@@ -8,7 +8,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from sfjax import model, sampling
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sfjax import model, sampling, sharding
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.weights import Weights
@@ -42,18 +44,36 @@ def record_tokens(history, slots, positions, tokens):
     return history.at[jnp.where(valid, slots, history.shape[0]), positions].set(tokens, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "row_tile", "sampler", "attention"),
+def replicated(tree, mesh):
+    """``tree`` constrained to be whole on every device of ``mesh`` (what the host reads back,
+    and the sampler's input); nothing off a mesh."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P()))
+
+
+def keep_cache_sharding(cache: KVCache, cfg: ModelConfig, mesh) -> KVCache:
+    if mesh is None:
+        return cache
+    return jax.lax.with_sharding_constraint(
+        cache, NamedSharding(mesh, sharding.cache_spec(cfg, mesh)))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "row_tile", "sampler", "attention", "mesh"),
                    donate_argnames=("state",))
 def model_step(weights: Weights, state: DeviceState, batch: StepBatch, *, cfg: ModelConfig,
-               row_tile: int, sampler: str = "auto", attention: str = "auto"):
-    """Runs one step. DONATES ``state``. Returns (state, Drawn [R])."""
-    history = record_tokens(state.history, batch.slots, batch.positions, batch.tokens)
+               row_tile: int, sampler: str = "auto", attention: str = "auto", mesh=None):
+    """Runs one step (the model under ``shard_map`` on ``mesh``; sampling on whole logits).
+    DONATES ``state``. Returns (state, Drawn [R])."""
+    history = replicated(record_tokens(state.history, batch.slots, batch.positions, batch.tokens), mesh)
     hidden, cache = model.forward(weights, state.cache, batch.tokens, batch.positions, batch.slots,
-                                  batch.block_tables, cfg, row_tile, attention=attention)
-    logits = model.logits(weights, hidden[batch.logit_rows], cfg, row_tile, batch.num_logit_rows)
+                                  batch.block_tables, cfg, row_tile, attention=attention, mesh=mesh)
+    logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, row_tile,
+                                     batch.num_logit_rows, mesh=mesh), mesh)
     drawn = sampling.draw(logits, batch.sampling, history, batch.num_logit_rows, row_tile,
                           batch.with_logprobs, sampler)
-    return DeviceState(cache=cache, history=history), drawn
+    return (DeviceState(cache=keep_cache_sharding(cache, cfg, mesh), history=history),
+            replicated(drawn, mesh))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

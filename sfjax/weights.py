@@ -57,11 +57,11 @@ def describe(cfg: ModelConfig) -> dict[str, ArrayInfo]:
         "wq": ArrayInfo((L, d, q), ("layers", "embed", "q_heads"), p + "self_attn.q_proj.weight", True, "normal"),
         "wk": ArrayInfo((L, d, kv), ("layers", "embed", "kv_heads"), p + "self_attn.k_proj.weight", True, "normal"),
         "wv": ArrayInfo((L, d, kv), ("layers", "embed", "kv_heads"), p + "self_attn.v_proj.weight", True, "normal"),
-        "wo": ArrayInfo((L, q, d), ("layers", "q_heads", "embed"), p + "self_attn.o_proj.weight", True, "normal"),
+        "wo": ArrayInfo((L, q, d), ("layers", "q_heads", "embed_out"), p + "self_attn.o_proj.weight", True, "normal"),
         "mlp_norm": ArrayInfo((L, d), ("layers", "embed"), p + "post_attention_layernorm.weight", False, "ones"),
         "w_gate": ArrayInfo((L, d, f), ("layers", "embed", "mlp"), p + "mlp.gate_proj.weight", True, "normal"),
         "w_up": ArrayInfo((L, d, f), ("layers", "embed", "mlp"), p + "mlp.up_proj.weight", True, "normal"),
-        "w_down": ArrayInfo((L, f, d), ("layers", "mlp", "embed"), p + "mlp.down_proj.weight", True, "normal"),
+        "w_down": ArrayInfo((L, f, d), ("layers", "mlp", "embed_out"), p + "mlp.down_proj.weight", True, "normal"),
         "final_norm": ArrayInfo((d,), ("embed",), "model.norm.weight", False, "ones"),
     }
     if not cfg.tie_word_embeddings:

@@ -19,6 +19,9 @@ if jax.default_backend() == "cpu":
 
 from sfjax import toy  # noqa: E402
 
+# tests/multidevice needs 8 fake devices: tests/test_sharding.py runs it in a subprocess
+collect_ignore = [] if os.environ.get("SFJAX_MULTIDEVICE") else ["multidevice"]
+
 
 @pytest.fixture(scope="session")
 def model_folder(tmp_path_factory):

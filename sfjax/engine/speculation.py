@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 
+from sfjax import model, sharding
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled
@@ -57,7 +58,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, cfg: ModelConfig, max_model_len: int,
                  num_blocks: int, block_size: int, draft: tuple[ModelConfig, Weights] | None = None,
-                 registry: Registry | None = None):
+                 registry: Registry | None = None, mesh=None, split: bool = False):
         self.config = config
         self.k_max = config.num_speculative_tokens
         self.draft_cfg, self.draft_weights = draft if draft else (None, None)
@@ -81,7 +82,15 @@ class Speculator:
         self.registry = registry or Registry()
         self.slot = self.registry.register(Strategy(config.method, config.acceptance_method))
         self.certificate = self.registry.slots[self.slot]
-        self.draft_cache = (KVCache.zeros(self.draft_cfg, num_blocks, block_size)
+        self.mesh = None
+        if self.draft_cfg is not None and mesh is not None:
+            self.mesh = sharding.draft_mesh(mesh, config.draft_tensor_parallel_size
+                                            or sharding.tp_of(mesh))
+            sharding.validate(self.draft_cfg, self.mesh, "draft")
+        if self.draft_cfg is not None:
+            self.draft_weights = model.place_weights(self.draft_weights, self.draft_cfg, self.mesh,
+                                                     split)
+        self.draft_cache = (KVCache.zeros(self.draft_cfg, num_blocks, block_size, mesh=self.mesh)
                             if self.draft_cfg is not None else None)
         self.metrics = SpecMetrics()
 

@@ -19,6 +19,8 @@ class SpeculativeConfig:
     the same keys), "rejection_sampler" (Leviathan/Chen; distribution-exact) or
     "typical_acceptance_sampler" (Medusa's rule; lossy: equal to plain decoding at temperature 0).
     max_model_len: the draft's limit; rows past it decode without speculation.
+    draft_tensor_parallel_size: the draft's tensor-parallel size (dividing the target's; default
+    the target's); the draft is replicated over the rest of the target's model axis.
     disable_by_batch_size: no speculation in a step with at least this many running requests.
     """
 
@@ -32,6 +34,7 @@ class SpeculativeConfig:
     acceptance_method: str = "exact"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
+    draft_tensor_parallel_size: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | "SpeculativeConfig") -> "SpeculativeConfig":

@@ -26,7 +26,7 @@ from sfjax import model, sampling
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.spec import accept, proposers
-from sfjax.step import DeviceState, StepBatch, record_tokens
+from sfjax.step import DeviceState, StepBatch, keep_cache_sharding, record_tokens, replicated
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +64,7 @@ def _rows(b: sampling.SamplingBatch, idx):
 
 
 def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: RoundConfig,
-                 dcfg: ModelConfig, row_tile: int, sampler: str, attention: str):
+                 dcfg: ModelConfig, row_tile: int, sampler: str, attention: str, mesh):
     """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
     role = sampling.ROLE_DRAFT if rc.acceptance == "rejection_sampler" else sampling.ROLE_TARGET
     s = spec.slots.shape[0]
@@ -73,10 +73,10 @@ def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: Rou
     slots, length, k = grow(spec.slots, -1), grow(spec.length, 0), grow(spec.k, 0)
     live = slots >= 0
     h, dcache = model.forward(dw, dcache, spec.draft_tokens, spec.draft_positions, spec.draft_slots,
-                              batch.block_tables, dcfg, row_tile, attention=attention)
+                              batch.block_tables, dcfg, row_tile, attention=attention, mesh=mesh)
 
     def one(h_rows, j):
-        lg = model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live))
+        lg = replicated(model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live), mesh=mesh), mesh)
         b = _rows(batch.sampling, spec.verify_start + grow(jnp.arange(s) * (rc.k_max + 1) + j, 0))
         n = jnp.sum(live)                                # live slots come first
         d = sampling.draw(lg, b, history, n, row_tile, False, sampler, role).tokens
@@ -90,23 +90,26 @@ def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: Rou
         d_prev, dcache = carry
         pos = jnp.where(live & (j < k), length - 1 + j, -1)
         h, dcache = model.forward(dw, dcache, d_prev, pos, jnp.where(pos >= 0, slots, -1),
-                                  batch.block_tables, dcfg, row_tile, attention=attention)
+                                  batch.block_tables, dcfg, row_tile, attention=attention, mesh=mesh)
         d, logq = one(h, j)
         return (d, dcache), (d, logq)
 
     (_, dcache), (ds, qs) = lax.scan(step, (d0, dcache), jnp.arange(1, rc.k_max))
     drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]                    # [S, K]
     logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]      # [S, K, V or 1]
-    return drafts, logq, dcache
+    return drafts, logq, keep_cache_sharding(dcache, dcfg, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "rc", "row_tile", "sampler",
-                                             "attention"),
+                                             "attention", "mesh", "draft_mesh"),
                    donate_argnames=("state", "draft_cache"))
 def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: StepBatch,
               spec: SpecBatch, *, cfg: ModelConfig, dcfg: ModelConfig | None, rc: RoundConfig,
-              row_tile: int, sampler: str = "auto", attention: str = "auto"):
-    """One round for every slot. DONATES ``state`` and ``draft_cache``.
+              row_tile: int, sampler: str = "auto", attention: str = "auto", mesh=None,
+              draft_mesh=None):
+    """One round for every slot. DONATES ``state`` and ``draft_cache``. On a ``mesh`` the models
+    run under ``shard_map`` (the draft on ``draft_mesh``: the same devices, maybe a smaller
+    tensor-parallel size) and everything else on whole arrays.
 
     Logit rows: the plain step's (prefill completions, prompt logprobs), then from
     ``spec.verify_start`` the S * (K + 1) verify rows, slot-major, live slots first. Returns (state, draft_cache, drawn [R],
@@ -115,7 +118,7 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
     k1 = rc.k_max + 1
     s = spec.slots.shape[0]
     live = spec.slots >= 0
-    history = record_tokens(state.history, batch.slots, batch.positions, batch.tokens)
+    history = replicated(record_tokens(state.history, batch.slots, batch.positions, batch.tokens), mesh)
     start = spec.verify_start
     vrows = _rows(batch.sampling, start + jnp.arange(s) * k1)              # verify row j = 0
     if rc.method == "ngram":
@@ -127,7 +130,8 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
             logq = jnp.where(jax.nn.one_hot(drafts, cfg.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
     else:
         drafts, logq, draft_cache = _draft_model(draft_weights, draft_cache, history, batch, spec,
-                                                 rc, dcfg, row_tile, sampler, attention)
+                                                 rc, dcfg, row_tile, sampler, attention,
+                                                 draft_mesh)
         k = spec.k
     k = jnp.where(live, k, 0)
     # fill the verify rows: drafts past a slot's k become padding
@@ -138,10 +142,11 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
     tokens = batch.tokens.at[rows].set(drafts, mode="drop")
     positions = batch.positions.at[rows].set(jnp.where(keep, spec.length[:, None] - 1 + j, -1), mode="drop")
     slots = batch.slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop")
-    history = record_tokens(history, slots, positions, tokens)
+    history = replicated(record_tokens(history, slots, positions, tokens), mesh)
     hidden, cache = model.forward(weights, state.cache, tokens, positions, slots,
-                                  batch.block_tables, cfg, row_tile, attention=attention)
-    logits = model.logits(weights, hidden[batch.logit_rows], cfg, row_tile, batch.num_logit_rows)
+                                  batch.block_tables, cfg, row_tile, attention=attention, mesh=mesh)
+    logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, row_tile,
+                                     batch.num_logit_rows, mesh=mesh), mesh)
     drawn = sampling.draw(logits, batch.sampling, history, batch.num_logit_rows, row_tile,
                           batch.with_logprobs, sampler)
     target = lax.dynamic_slice(drawn.tokens, (start,), (s * k1,)).reshape(s, k1)
@@ -171,5 +176,6 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
             (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs), new)])
     emitted = accept.truncate_at_stops(out, accepted, spec.stop_ids, spec.min_left, spec.budget)
     emitted = jnp.where(live, emitted, 0)
-    return (DeviceState(cache=cache, history=history), draft_cache, drawn,
-            jnp.where(live, accepted, 0), out, emitted, k)
+    outs = replicated((drawn, jnp.where(live, accepted, 0), out, emitted, k), mesh)
+    return (DeviceState(cache=keep_cache_sharding(cache, cfg, mesh), history=history), draft_cache,
+            *outs)
