@@ -21,6 +21,7 @@ def _llm(args, default_spec: dict | None = None):
                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed or 0,
                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec)
 
 
@@ -128,6 +129,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (prefill chunks and decode rows); default max(512, seqs)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '

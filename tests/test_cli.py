@@ -61,6 +61,6 @@ def test_help(command, capsys):
 
 def test_generate_precompile_times_compilation_apart(tiny_folder, capsys):
     assert main(["generate", "hi", "--model", tiny_folder, "--max-tokens", "3", "--max-num-seqs", "1",
-                 "--max-model-len", "32", "--precompile"]) == 0
+                 "--max-num-batched-tokens", "16", "--max-model-len", "32", "--precompile"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("load ") and "; compile " in last and "generate 3 tokens" in last
