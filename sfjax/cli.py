@@ -121,6 +121,35 @@ def _bench(args) -> int:
     return 0
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def _convert(args) -> int:
+    """An HF folder to an orbax export (config.json, tokenizer files, orbax/), or back."""
+    import os
+    import shutil
+
+    from sfjax import weights as W
+    from sfjax.config import ModelConfig
+
+    src, dst = args.src, args.dst
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ValueError(f"src: {src!r} is not a model folder (no config.json)")
+    if os.path.exists(dst) and os.listdir(dst):
+        raise ValueError(f"dst: {dst!r} exists and is not empty")
+    cfg = ModelConfig.from_folder(src, args.dtype)
+    to_orbax = not os.path.isdir(os.path.join(src, W.ORBAX_DIR))
+    if to_orbax:
+        W.save_orbax(dst, cfg, W.load_hf(src, cfg))
+    else:
+        W.save_hf(dst, cfg, W.load_orbax(src, cfg))
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), dst)
+    print(f"wrote {'an orbax checkpoint' if to_orbax else 'an HF folder'} to {dst}")
+    return 0
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model folder (default: the embedded model; generate then drafts with "
@@ -169,6 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "same prompt ids, one at a time, and print the ratios (needs torch)")
     _common(b)
     b.set_defaults(run=_bench, max_tokens=None, ignore_eos=True, stop=None)
+    c = sub.add_parser("convert", help="an HF model folder to an orbax checkpoint, or back",
+                       description="sfjax convert SRC DST: SRC an HF folder -> DST with config.json, "
+                                   "the tokenizer files and the weights as an orbax checkpoint "
+                                   "(orbax/); SRC such an export -> DST an HF folder (safetensors).")
+    c.add_argument("src")
+    c.add_argument("dst", help="a new or empty folder")
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    c.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    c.set_defaults(run=_convert)
     return parser
 
 
