@@ -84,7 +84,9 @@ def sfjax_gen(llm, ids: list[list[int]], stats: dict | None = None):
 def bench_sfjax(folder: str, ids: list[list[int]], max_tokens: int, repeats: int) -> dict:
     import sfjax
     t = time.perf_counter()
-    llm = sfjax.LLM(folder, max_num_seqs=len(ids), max_model_len=len(ids[0]) + max_tokens)
+    # the timed runs repeat the warm-up's prompts: no prefix cache, or prefill would be skipped
+    llm = sfjax.LLM(folder, max_num_seqs=len(ids), max_model_len=len(ids[0]) + max_tokens,
+                    enable_prefix_caching=False)
     load = time.perf_counter() - t
     gen = sfjax_gen(llm, ids)
     warm = gen(max_tokens)[0] + gen(1)[0]    # compiles the shapes of both timed runs
@@ -407,7 +409,8 @@ def spec_suite(args) -> None:
                          dict(spec_cfgs["draft_model"], model=f["bad"])))
         for method, folder, spec in runs:
             t = time.perf_counter()
-            llm = sfjax.LLM(folder, max_num_seqs=b, max_model_len=max_len, speculative_config=spec)
+            llm = sfjax.LLM(folder, max_num_seqs=b, max_model_len=max_len, speculative_config=spec,
+                            enable_prefix_caching=False)   # repeated prompts: no cache hits
             load = time.perf_counter() - t
             names = ["random"] if method.startswith(("plain(", "draft_model(")) else list(sets)
             for i, pname in enumerate(names):

@@ -137,7 +137,8 @@ def main() -> None:
                 stats = {}
                 t = time.perf_counter()
                 if path == "engine":
-                    llm = sfjax.LLM(f["target"], max_num_seqs=b, max_model_len=plen + n, speculative_config=spec)
+                    llm = sfjax.LLM(f["target"], max_num_seqs=b, max_model_len=plen + n,
+                                    speculative_config=spec, enable_prefix_caching=False)
                     gen = bench.sfjax_gen(llm, ids, stats)
                 else:
                     gen = functional_gen(f["target"], f["draft"], spec, ids, plen + n, n, stats)

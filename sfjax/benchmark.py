@@ -44,6 +44,7 @@ def file_workload(path: str, tokenizer, output_len: int, num: int | None) -> Wor
 def run_engine(llm, work: Workload, params) -> dict:
     """Runs the workload through ``llm.engine`` step by step; returns per-request timings."""
     eng = llm.engine
+    llm.reset_prefix_cache()           # a repeated workload must not hit the previous run's blocks
     before = llm.get_metrics().get("spec_decode")
     t0 = time.monotonic()
     ids = []

@@ -1,6 +1,6 @@
 """Small HF-format model folders built deterministically from a seed, with no hub and no torch.
 
-Tests build their models here, and so does the embedded default model until a trained pair ships.
+Tests build their models here (the embedded default pair is trained: scripts/train_demo.py).
 A folder holds config.json, generation_config.json, model.safetensors, tokenizer.json and
 tokenizer_config.json, exactly what HF transformers and sfjax load.
 """
@@ -41,15 +41,16 @@ y = jax.jit(lambda a: a @ a)(x)
 """
 
 
-def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
-    """A byte-level BPE with ``<s>`` = 0 and ``</s>`` = 1; a BOS is prepended on encode."""
+def build_tokenizer(vocab_size: int = 512, texts: list[str] | None = None) -> Tokenizer:
+    """A byte-level BPE trained on ``texts`` (default: CORPUS) with ``<s>`` = 0 and ``</s>`` = 1;
+    a BOS is prepended on encode."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([CORPUS] * 4, trainer)
+    tok.train_from_iterator(texts or [CORPUS] * 4, trainer)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0), (EOS, 1)])
     return tok

@@ -213,3 +213,41 @@ def save_hf(path: str, cfg: ModelConfig, weights: Weights, max_shard_bytes: int 
         weight_map.update({k: fname for k in shard})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# orbax checkpoints
+
+ORBAX_DIR = "orbax"     # the weights' checkpoint inside an exported folder
+
+
+def save_orbax(path: str, cfg: ModelConfig, weights: Weights) -> None:
+    """Writes ``config.json`` and the weights as an orbax checkpoint under ``path/orbax``."""
+    import orbax.checkpoint as ocp
+
+    check(weights, cfg)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_config(), f, indent=2)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(os.path.join(path, ORBAX_DIR)), weights)
+
+
+def load_orbax(path: str, cfg: ModelConfig) -> Weights:
+    """Restores ``save_orbax``'s weights straight into arrays of ``abstract(cfg)``'s shapes and
+    dtypes; a checkpoint of another config is refused naming the first mismatch."""
+    import orbax.checkpoint as ocp
+
+    ckpt = os.path.abspath(os.path.join(path, ORBAX_DIR))
+    if not os.path.isdir(ckpt):
+        raise ValueError(f"{path!r} holds no orbax checkpoint (no {ORBAX_DIR}/ folder)")
+    with ocp.StandardCheckpointer() as ckptr:
+        stored = ckptr.metadata(ckpt)
+        stored = getattr(stored, "item_metadata", stored)     # StepMetadata -> its tree
+        stored = getattr(stored, "tree", stored)              # TreeMetadata -> {name: metadata}
+        for name, want in describe(cfg).items():
+            got = stored.get(name)
+            if got is None or tuple(got.shape) != want.shape:
+                raise ValueError(f"orbax checkpoint {path!r}: weights.{name} has shape "
+                                 f"{None if got is None else tuple(got.shape)}, the config needs {want.shape}")
+        return ckptr.restore(ckpt, abstract(cfg))

@@ -57,3 +57,43 @@ def test_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
     assert e.value.code == 0 and "--speculative-config" in capsys.readouterr().out
+
+
+def test_generate_precompile_times_compilation_apart(tiny_folder, capsys):
+    assert main(["generate", "hi", "--model", tiny_folder, "--max-tokens", "3", "--max-num-seqs", "1",
+                 "--max-num-batched-tokens", "16", "--max-model-len", "32", "--precompile"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("load ") and "; compile " in last and "generate 3 tokens" in last
+
+
+def test_convert_to_orbax_and_back(tiny_folder, tmp_path, capsys):
+    import numpy as np
+    import jax
+    from sfjax import LLM, SamplingParams
+    from sfjax import weights as W
+    from sfjax.config import ModelConfig
+
+    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    assert main(["convert", tiny_folder, ckpt]) == 0
+    assert main(["convert", ckpt, back]) == 0
+    cfg = ModelConfig.from_folder(tiny_folder)
+    for a, b in zip(jax.tree.leaves(W.load_hf(tiny_folder, cfg)), jax.tree.leaves(W.load_orbax(ckpt, cfg))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = [o.outputs[0].token_ids for o in LLM(back, max_model_len=64).generate(["def f(x):"], params, use_tqdm=False)]
+    assert ids == [o.outputs[0].token_ids for o in
+                   LLM(tiny_folder, max_model_len=64).generate(["def f(x):"], params, use_tqdm=False)]
+    capsys.readouterr()
+    assert main(["convert", tiny_folder, ckpt]) == 2                      # not empty
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_orbax_checkpoint_of_another_config_is_refused(tiny_folder, tmp_path):
+    from sfjax import toy
+    from sfjax import weights as W
+    from sfjax.config import ModelConfig
+
+    ckpt = str(tmp_path / "ckpt")
+    assert main(["convert", tiny_folder, ckpt]) == 0
+    with pytest.raises(ValueError, match=r"weights\.\w+ has shape"):
+        W.load_orbax(ckpt, toy.tiny_config(hidden_size=96, num_heads=6, num_kv_heads=3))

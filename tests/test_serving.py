@@ -171,7 +171,7 @@ def test_engine_state_machine(engines):
                                         [self.requests[r][1] for r in done], use_tqdm=False)
                 assert [self.finished[r] for r in done] == _ids(expected)
 
-    EngineMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+    EngineMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)
     EngineMachine.TestCase().runTest()
 
 
