@@ -15,7 +15,7 @@ first 2 layers as the draft, so every greedy draft is accepted. Per batch size B
 (B x --prompt-len ids), greedy, exactly --max-tokens tokens (EOS ignored):
   * engine:     LLM(target, max_num_seqs=B, max_model_len=prompt_len + max_tokens,
                 speculative_config=...).generate(...)
-  * functional: the user's program, one jitted function: weights.split_layers (on CPU, once),
+  * functional: the user's program, one jitted function: F.place_weights (once),
                 F.prefill, then a lax.while_loop calling F.decode(..., num_rounds=1) until every
                 row is done, then F.outputs. max_tokens is an array, so the max_tokens=1 run
                 (prefill) and the full run share one program.
@@ -59,9 +59,9 @@ def functional_gen(folder: str, draft: str | None, spec: dict | None, ids: list[
 
     @jax.jit
     def user_loop(weights, draft_weights, prompt_ids, prompt_lens, sampling):
-        if jax.default_backend() == "cpu":     # unrolled layers: split once, not once a round
-            weights = W.split_layers(weights)
-            draft_weights = W.split_layers(draft_weights) if draft_weights is not None else None
+        weights = F.place_weights(weights, fc)     # laid out once, not once a round
+        if draft_weights is not None:
+            draft_weights = F.place_weights(draft_weights, fc, draft=True)
         state = F.prefill(weights, prompt_ids, prompt_lens, sampling, fc, draft_weights)
 
         def body(carry):

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from sfjax import toy
 from sfjax import weights as W
 from sfjax.config import ModelConfig, rope_frequencies
-from sfjax.model import rms_norm, rope
+from sfjax.model import rms_norm, rope, rope_angles
 
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 HELD_OUT_EVERY = 20
@@ -136,7 +136,8 @@ def forward(w: W.Weights, tokens, cfg: ModelConfig):
         q = (h @ lw["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = (h @ lw["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = (h @ lw["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        angles = rope_angles(positions, inv_freq)
+        q, k = rope(q, angles), rope(k, angles)
         attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)   # [B, T, heads, hd]
         x = x + attn.reshape(b, t, -1) @ lw["wo"]
         h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)

@@ -201,22 +201,32 @@ def _tiles(n: int, tile: int) -> int:
     return -(-n // tile) * tile
 
 
+def place_weights(weights: W.Weights, cfg: Config, draft: bool = False) -> W.Weights:
+    """``weights`` (the draft's if ``draft``) checked against the config and laid out as a round
+    uses them (``model.place_weights``: matrices in column blocks, layers split on CPU).
+
+    ``prefill``, ``decode`` and ``generate`` do this once per call, before their loops. A loop of
+    your own that calls ``decode`` a round at a time should place the weights once before it:
+    laid-out weights are taken as they are (and checked by their plain shapes), while plain ones
+    would be laid out again every round. Raises ValueError naming the first array whose shape or
+    dtype does not fit the config.
+    """
+    mcfg = cfg.draft if draft else cfg.model
+    try:
+        W.check(model.plain_shapes(weights), mcfg)
+    except ValueError as e:
+        raise ValueError(f"draft_{e}" if draft else str(e)) from None
+    split = cfg.layer_loop == "unrolled" or (cfg.layer_loop == "auto" and jax.default_backend() == "cpu")
+    return model.place_weights(weights, mcfg, split=split)
+
+
 def _weights(weights, draft_weights, cfg: Config):
-    """Checks shapes and dtypes against the configs, and splits the layers where the engine does
-    (on CPU; weights already split by ``weights.split_layers`` are taken as they are)."""
-    W.check(weights, cfg.model)
-    if cfg.draft is not None:
-        if draft_weights is None:
-            raise ValueError("draft_weights: the draft_model method needs the draft's weights")
-        try:
-            W.check(draft_weights, cfg.draft)
-        except ValueError as e:
-            raise ValueError(f"draft_{e}") from None
-    draft_weights = draft_weights if cfg.draft is not None else None
-    if cfg.layer_loop == "unrolled" or (cfg.layer_loop == "auto" and jax.default_backend() == "cpu"):
-        weights = W.split_layers(weights)
-        draft_weights = W.split_layers(draft_weights) if draft_weights is not None else None
-    return weights, draft_weights
+    weights = place_weights(weights, cfg)
+    if cfg.draft is None:
+        return weights, None
+    if draft_weights is None:
+        raise ValueError("draft_weights: the draft_model method needs the draft's weights")
+    return weights, place_weights(draft_weights, cfg, draft=True)
 
 
 def _sampling_rows(sp: Sampling, slot, length, prompt_len, k1: int, n: int) -> SamplingBatch:

@@ -45,6 +45,12 @@ class LLM:
             raise ValueError(f"model: {model!r} is not a folder (an HF model folder is expected)")
         if mesh is None and tensor_parallel_size * data_parallel_size > 1:
             mesh = sharding.make_mesh(tensor_parallel_size, data_parallel_size)
+        elif mesh is not None:
+            mesh = sharding.as_mesh(mesh)
+            got = (sharding.tp_of(mesh), sharding.dp_of(mesh))
+            if (tensor_parallel_size, data_parallel_size) not in ((1, 1), got):
+                raise ValueError(f"tensor_parallel_size {tensor_parallel_size} and data_parallel_size "
+                                 f"{data_parallel_size} differ from the mesh's model and data axes {got}")
         self.model_path = model
         self.model_config = ModelConfig.from_folder(model, dtype)
         self.tokenizer = load_tokenizer(tokenizer or model)

@@ -32,14 +32,32 @@ def rms_norm(x, w, eps):
     return w * y.astype(x.dtype)
 
 
-def rope(x, positions, inv_freq):
-    """HF's rotate-half RoPE. x [T, heads, D]; positions [T]."""
+def rope_angles(positions, inv_freq):
+    """(cos, sin) [T, 1, D] for ``rope``, computed once per tile for q and k."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, None, :]
+    return cos, sin
+
+
+def _rounded(x, zero):
+    """``x`` unchanged, through an integer op the compiler cannot see through (``zero`` is a
+    traced 0): a float32 product passed here is rounded before it is added to anything."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32) | zero, jnp.float32)
+
+
+def rope(x, angles, zero=None):
+    """HF's rotate-half RoPE. x [T, heads, D]; ``angles`` from ``rope_angles``. XLA:CPU contracts
+    x * cos + rotated * sin into an FMA, and which product it rounds followed the fusion around
+    it (a shard holding one head got other bits): both are rounded first when ``zero`` (a traced
+    int32 0) is given."""
+    cos, sin = angles
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+    a, b = x.astype(jnp.float32) * cos, rotated.astype(jnp.float32) * sin
+    if zero is not None:
+        a, b = _rounded(a, zero), _rounded(b, zero)
+    return (a + b).astype(x.dtype)
 
 
 def block(w):
@@ -49,17 +67,36 @@ def block(w):
     return jnp.moveaxis(w.reshape(*lead, k, u, n // u), -2, -3)
 
 
-def block_weights(weights: Weights) -> Weights:
-    """The weights with every matrix in ``matmul``'s blocked layout (done once by the engine;
-    model functions block plain weights themselves, at the cost of a copy per call)."""
+def unblock(w):
+    """``block``'s inverse: [.., U, K, W] -> [.., K, U * W]."""
+    *lead, u, k, width = w.shape
+    return jnp.moveaxis(w, -3, -2).reshape(*lead, k, u * width)
+
+
+def _relayout(weights: Weights, fn, blocked: bool) -> Weights:
+    """``fn`` applied to every matrix that is in the blocked layout (``blocked``) or the plain one;
+    stacked or split by layer."""
     def one(name, x):
-        if x is None or name in ("embed", "final_norm") or name.endswith("_norm"):
+        if x is None or name == "embed" or name.endswith("norm"):
             return x
         if isinstance(x, (tuple, list)):
-            return tuple(a if a.ndim == 3 else block(a) for a in x)
-        return x if x.ndim == (4 if name in LAYER_FIELDS else 3) else block(x)
+            return tuple(fn(a) if (a.ndim == 3) == blocked else a for a in x)
+        return fn(x) if (x.ndim > (3 if name in LAYER_FIELDS else 2)) == blocked else x
     return dataclasses.replace(weights, **{f.name: one(f.name, getattr(weights, f.name))
                                            for f in dataclasses.fields(weights)})
+
+
+def block_weights(weights: Weights) -> Weights:
+    """The weights with every matrix in ``matmul``'s blocked layout; blocked ones are kept. The
+    engine and ``sfjax.functional`` block once (``place_weights``); model functions given plain
+    weights block them on every call, a relayout of every matrix each time."""
+    return _relayout(weights, block, blocked=False)
+
+
+def plain_shapes(weights: Weights) -> Weights:
+    """Shapes and dtypes (``jax.ShapeDtypeStruct``) of ``weights`` in the plain layout, blocked or
+    not; nothing is computed."""
+    return jax.eval_shape(lambda w: _relayout(w, unblock, blocked=True), weights)
 
 
 def place_weights(weights: Weights, cfg: ModelConfig, mesh=None, split: bool = False) -> Weights:
@@ -125,7 +162,8 @@ def _qkv(x, positions, lw, cfg: ModelConfig, inv_freq):
     q = matmul(h, lw["wq"]).reshape(t, -1, cfg.head_dim)
     k = matmul(h, lw["wk"]).reshape(t, -1, cfg.head_dim)
     v = matmul(h, lw["wv"]).reshape(t, -1, cfg.head_dim)
-    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+    angles, zero = rope_angles(positions, inv_freq), (positions[0] < -2**30).astype(jnp.int32)
+    return rope(q, angles, zero), rope(k, angles, zero), v
 
 
 def _mlp_in(x, delta, lw, cfg: ModelConfig):
@@ -225,9 +263,9 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
     n = tokens.shape[0]
     rows, cs = P(sharding.DATA), sharding.cache_spec(cfg, mesh)
     kv = KVCache(k=cs, v=cs)
-    hidden, cache = jax.shard_map(
-        fn, mesh=mesh, in_specs=(sharding.weight_specs(weights, cfg, mesh), kv, rows, rows, rows, P()),
-        out_specs=(rows, kv), check_vma=False)(weights, cache, *_pad_rows(mesh, row_tile, tokens, positions, slots),
+    hidden, cache = sharding.shard_map(
+        fn, mesh, in_specs=(sharding.weight_specs(weights, cfg, mesh), kv, rows, rows, rows, P()),
+        out_specs=(rows, kv))(weights, cache, *_pad_rows(mesh, row_tile, tokens, positions, slots),
                               block_tables)
     return hidden[:n], cache
 
@@ -264,8 +302,8 @@ def logits(weights: Weights, hidden, cfg: ModelConfig, row_tile: int = 8, num_ro
         return fn(weights, hidden, num_rows)
     m = sharding.pad_to(n, mesh, row_tile)
     head = dataclasses.replace(weights, **{f: None for f in LAYER_FIELDS})
-    out = jax.shard_map(fn, mesh=mesh,
-                        in_specs=(sharding.weight_specs(head, cfg, mesh), P(sharding.DATA), P()),
-                        out_specs=P(sharding.DATA), check_vma=False)(head, jnp.pad(hidden, ((0, m - n), (0, 0))),
-                                                     num_rows)
+    out = sharding.shard_map(fn, mesh, in_specs=(sharding.weight_specs(head, cfg, mesh),
+                                                 P(sharding.DATA), P()),
+                             out_specs=P(sharding.DATA))(head, jnp.pad(hidden, ((0, m - n), (0, 0))),
+                                                         num_rows)
     return out[:n]

@@ -63,6 +63,29 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
     return Mesh(np.asarray(devices[:tp * dp], dtype=object).reshape(dp, tp), (DATA, MODEL))
 
 
+def as_mesh(mesh: Mesh) -> Mesh:
+    """A caller's mesh with Auto axes (``jax.make_mesh`` makes Explicit ones since jax 0.9; the
+    steps place arrays by ``NamedSharding`` and run the model under ``shard_map``, GSPMD-style).
+    The same devices and axis names, so the same compiled steps as ``make_mesh``'s."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh: a jax.sharding.Mesh is needed; got {type(mesh).__name__}")
+    if DATA not in mesh.shape or MODEL not in mesh.shape:
+        raise ValueError(f"mesh axes must include {DATA!r} and {MODEL!r}; got {tuple(mesh.shape)}")
+    if any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in (DATA, MODEL)):
+        raise ValueError(f"mesh: axes other than {DATA!r} and {MODEL!r} must have size 1; "
+                         f"got {dict(mesh.shape)}")
+    devices = mesh.devices.reshape(mesh.shape[DATA], mesh.shape[MODEL]) \
+        if mesh.axis_names.index(DATA) < mesh.axis_names.index(MODEL) \
+        else mesh.devices.reshape(mesh.shape[MODEL], mesh.shape[DATA]).T
+    return Mesh(devices, (DATA, MODEL))
+
+
+def shard_map(fn, mesh: Mesh, in_specs, out_specs):
+    """``jax.shard_map`` as the model uses it (jax 0.10.2 and 0.11.2 spell it the same): no
+    varying-manual-axes check, since the bodies gather across shards by hand."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
 def tp_of(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[MODEL]
 

@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sfjax import sampling
+from jax.sharding import PartitionSpec as P
+
+from sfjax import model, sampling, sharding
 from sfjax.cache import KVCache, BlockAllocator, validate_block_size
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
@@ -24,7 +26,7 @@ from sfjax.spec.registry import Registry
 from sfjax.spec.round import spec_step
 from sfjax.step import DeviceState, StepBatch, model_step, write_history
 from sfjax.tokenizer import IncrementalDetokenizer
-from sfjax.weights import Weights, split_layers
+from sfjax.weights import Weights
 
 logger = logging.getLogger("sfjax")
 
@@ -78,16 +80,19 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer, config: EngineConfig,
                  eos_token_ids: tuple[int, ...] = (), speculative: SpeculativeConfig | None = None,
-                 draft: tuple[ModelConfig, Weights] | None = None):
+                 draft: tuple[ModelConfig, Weights] | None = None, mesh=None):
+        """``mesh``: a (data, model) ``jax.sharding.Mesh`` (``sharding.make_mesh``) to shard the
+        weights, the KV cache and the steps over; None runs on the default device."""
         self.cfg = cfg
+        if mesh is not None:
+            mesh = sharding.as_mesh(mesh)
+            sharding.validate(cfg, mesh)
+        self.mesh = mesh
         loop = config.layer_loop
         if loop not in ("auto", "scan", "unrolled"):
             raise ValueError(f"layer_loop must be auto, scan or unrolled; got {loop!r}")
         self._split = loop == "unrolled" or (loop == "auto" and jax.default_backend() == "cpu")
-        if self._split:
-            weights = split_layers(weights)
-            draft = (draft[0], split_layers(draft[1])) if draft else None
-        self.weights = weights
+        self.weights = model.place_weights(weights, cfg, mesh, self._split)
         self.tokenizer = tokenizer
         max_len = config.max_model_len or cfg.max_position_embeddings
         if max_len > cfg.max_position_embeddings:
@@ -105,11 +110,12 @@ class Engine:
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    cache_lag=1 if draft is not None else 0)
-        self.state = DeviceState(cache=KVCache.zeros(cfg, num_blocks, config.block_size),
-                                 history=jnp.zeros((config.max_num_seqs, max_len), jnp.int32))
+        self.state = DeviceState(
+            cache=KVCache.zeros(cfg, num_blocks, config.block_size, mesh=mesh),
+            history=sharding.zeros((config.max_num_seqs, max_len), jnp.int32, P(), mesh))
         self.registry = Registry()
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
-                                self.registry) if speculative else None)
+                                self.registry, mesh, self._split) if speculative else None)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
@@ -311,7 +317,7 @@ class Engine:
     def _run_plain(self, batch: StepBatch):
         self.state, drawn = model_step(self.weights, self.state, batch, cfg=self.cfg,
                                        row_tile=self.config.row_tile, sampler=self.config.sampler,
-                                       attention=self.config.attention)
+                                       attention=self.config.attention, mesh=self.mesh)
         return drawn
 
     def _run_spec(self, batch: StepBatch, sb):
@@ -319,7 +325,8 @@ class Engine:
         self.state, spec.draft_cache, *out = spec_step(
             self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb, cfg=self.cfg,
             dcfg=spec.draft_cfg, rc=spec.round, row_tile=self.config.row_tile,
-            sampler=self.config.sampler, attention=self.config.attention)
+            sampler=self.config.sampler, attention=self.config.attention, mesh=self.mesh,
+            draft_mesh=spec.mesh)
         return out
 
     # -- compiling ahead -----------------------------------------------------------------------

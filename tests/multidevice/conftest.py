@@ -5,7 +5,8 @@ from sfjax import LLM, toy
 
 # 8 query heads over 4 KV heads: tp 2 and 4 shard the KV cache, tp 8 replicates it
 CFG = toy.tiny_config(num_heads=8, num_kv_heads=4, head_dim=8)
-GEOMETRY = dict(max_num_seqs=4, max_model_len=64, block_size=8)
+# prompts prefill in chunks of 8 tokens, so each engine runs (and compiles) one step shape
+GEOMETRY = dict(max_num_seqs=4, max_model_len=64, block_size=8, max_num_batched_tokens=8)
 
 
 def pytest_configure(config):
@@ -32,7 +33,7 @@ def engines(folder, draft_folder):
         if key not in built:
             config = None
             if spec:
-                config = {"method": "draft_model", "model": draft_folder, "num_speculative_tokens": 3,
+                config = {"method": "draft_model", "model": draft_folder, "num_speculative_tokens": 2,
                           "draft_tensor_parallel_size": draft_tp}
             built[key] = LLM(folder, tensor_parallel_size=tp, data_parallel_size=dp,
                              speculative_config=config, **GEOMETRY)

@@ -1,14 +1,24 @@
 """Sharded engines give the single-device tokens, token for token (greedy and seeded sampling,
-with and without speculation), and really shard their weights and KV cache."""
+with and without speculation); the sharded forward gives the single-device bits (the reference
+attention and the Pallas kernel, interpreted, inside shard_map); the weights and KV cache really
+are sharded; bad meshes and checkpoints are refused naming the mismatch."""
 
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sfjax import LLM, SamplingParams, sharding, toy
+from sfjax import LLM, SamplingParams, model, sharding, toy
+from sfjax.cache import KVCache
+from sfjax.config import ModelConfig
+from sfjax.weights import load_hf
 from conftest import GEOMETRY
 
-MESHES = [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)]
+MESHES = [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)]       # (tp, dp)
 
 
 def _requests():
@@ -34,34 +44,91 @@ def test_sharded_equals_one_device(engines, reference, tp, dp):
     assert _ids(engines(tp, dp)) == reference
 
 
-@pytest.mark.parametrize("tp, dp, draft_tp", [(2, 2, None), (4, 1, 1)])
+@pytest.mark.parametrize("tp, dp, draft_tp", [(tp, dp, None) for tp, dp in MESHES] + [(4, 1, 1)])
 def test_speculation_sharded_equals_one_device(engines, reference, tp, dp, draft_tp):
-    llm = engines(tp, dp, spec=True, draft_tp=draft_tp)
+    llm = engines(tp, dp, spec=True, draft_tp=draft_tp)       # path-exact: plain decoding's tokens
     assert _ids(llm) == reference
     assert llm.get_metrics()["spec_decode"]["num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("tp, dp", [(4, 2), (8, 1)])
+@pytest.fixture(scope="module")
+def forward(folder):
+    """``forward(mesh, attention)``: (hidden, K pages, V pages, logits) of one ragged prefill of two
+    sequences (9 and 5 tokens, two padding rows), as host arrays."""
+    cfg = ModelConfig.from_folder(folder)
+    weights = load_hf(folder, cfg)
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(2, 512, 16), jnp.int32)
+    positions = jnp.asarray(np.r_[np.arange(9), np.arange(5), -1, -1], jnp.int32)
+    slots = jnp.asarray(np.r_[np.zeros(9), np.ones(5), -1, -1], jnp.int32)
+    tables = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+
+    def run(w, cache, *, mesh, attention):
+        h, cache = model.forward(w, cache, tokens, positions, slots, tables, cfg, attention=attention,
+                                 mesh=mesh)
+        return h, cache.k, cache.v, model.logits(w, h, cfg, mesh=mesh)
+
+    run = jax.jit(run, static_argnames=("mesh", "attention"))
+
+    def one(mesh=None, attention="reference"):
+        out = run(model.place_weights(weights, cfg, mesh, split=True),
+                  KVCache.zeros(cfg, 5, 8, mesh=mesh), mesh=mesh, attention=attention)
+        return [np.asarray(x) for x in out]
+
+    return one
+
+
+@pytest.mark.parametrize("tp, dp", MESHES)
+def test_sharded_forward_is_bit_equal(forward, tp, dp):
+    for a, b in zip(forward(), forward(sharding.make_mesh(tp, dp))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("tp, dp", [(4, 2), (8, 1)])         # KV heads sharded / replicated
+def test_the_pallas_kernel_inside_shard_map_is_bit_equal(forward, tp, dp):
+    for a, b in zip(forward(attention="interpret"),
+                    forward(sharding.make_mesh(tp, dp), attention="interpret")):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("tp, dp", MESHES)
 def test_weights_and_cache_are_sharded(engines, tp, dp):
     llm = engines(tp, dp)
     _ids(llm)                                                      # after steps too
     eng = llm.engine
     assert dict(eng.mesh.shape) == {"data": dp, "model": tp}
-    wq, wo = eng.weights.wq[0], eng.weights.wo[0]                  # blocked [U, K, W] per layer
-    assert wq.sharding.spec == P("model", None, None) and wo.sharding.spec == P("model", None, None)
-    assert wq.addressable_shards[0].data.shape == (wq.shape[0] // tp, *wq.shape[1:])
-    assert eng.weights.embed.sharding.spec == P("model", None)
-    assert len(wq.sharding.device_set) == tp * dp
-    k = eng.state.cache.k                                          # 4 KV heads: replicated at tp 8
+    w = eng.weights
+    kv_split = tp < 8                                              # 4 KV heads: replicated at tp 8
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):  # blocked [U, K, W] per layer
+        x, split = getattr(w, name)[0], kv_split or name not in ("wk", "wv")
+        assert x.sharding.spec == P("model" if split else None, None, None), name
+        assert x.addressable_shards[0].data.shape == (x.shape[0] // (tp if split else 1), *x.shape[1:])
+        assert len(x.sharding.device_set) == tp * dp
+    assert w.embed.sharding.spec == P("model", None)
+    assert w.embed.addressable_shards[0].data.shape == (w.embed.shape[0] // tp, w.embed.shape[1])
+    k = eng.state.cache.k
     heads = {s.data.shape[3] for s in k.addressable_shards}
-    assert heads == ({4} if tp == 8 else {4 // tp}) and len(k.sharding.device_set) == tp * dp
+    assert heads == ({4 // tp} if kv_split else {4}) and len(k.sharding.device_set) == tp * dp
 
 
 def test_a_draft_with_a_smaller_tensor_parallel_size(engines):
     spec = engines(4, 1, spec=True, draft_tp=1).engine.spec
     assert dict(spec.mesh.shape) == {"data": 1, "replica": 4, "model": 1}
     wq = spec.draft_weights.wq[0]                                  # whole on every device
+    assert len(wq.sharding.device_set) == 4
     assert all(s.data.shape == wq.shape for s in wq.addressable_shards)
+    sharded = engines(4, 1, spec=True).engine.spec.draft_weights.wq[0]
+    assert sharded.addressable_shards[0].data.shape == (sharded.shape[0] // 4, *sharded.shape[1:])
+
+
+def test_a_mesh_from_the_jax_program(folder, reference):
+    mesh = jax.make_mesh((2, 2), ("data", "model"))                # Explicit axes since jax 0.9
+    assert _ids(LLM(folder, mesh=mesh, **GEOMETRY)) == reference
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 and data_parallel_size 1 differ "
+                                         r"from the mesh's model and data axes \(2, 2\)"):
+        LLM(folder, mesh=mesh, tensor_parallel_size=4, **GEOMETRY)
+    with pytest.raises(ValueError, match="mesh axes must include 'data' and 'model'"):
+        LLM(folder, mesh=jax.make_mesh((2,), ("model",)), **GEOMETRY)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -73,10 +140,30 @@ def test_bad_meshes(folder, kw, match):
         LLM(folder, **kw, **GEOMETRY)
 
 
+def test_a_draft_tensor_parallel_size_that_does_not_divide_the_targets(folder, draft_folder):
+    spec = {"method": "draft_model", "model": draft_folder, "num_speculative_tokens": 2,
+            "draft_tensor_parallel_size": 3}
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size \(3\) must divide the "
+                                         r"target's tensor_parallel_size \(4\)"):
+        LLM(folder, tensor_parallel_size=4, speculative_config=spec, **GEOMETRY)
+
+
 def test_a_tp_that_does_not_divide_the_heads(model_folder):
     six = model_folder(toy.tiny_config(num_heads=6, num_kv_heads=2, head_dim=16), seed=0)
     with pytest.raises(ValueError, match=r"tensor_parallel_size 4 does not divide the model's "
                                          r"num_attention_heads \(6\)"):
         LLM(six, tensor_parallel_size=4, **GEOMETRY)
-    with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
-        sharding.draft_mesh(sharding.make_mesh(4), 3)
+    three = model_folder(toy.tiny_config(num_heads=6, num_kv_heads=3, head_dim=16), seed=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 and the model's "
+                                         r"num_key_value_heads \(3\): one must divide the other"):
+        LLM(three, tensor_parallel_size=2, **GEOMETRY)
+
+
+def test_a_checkpoint_of_another_config(folder, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, intermediate_size=96)))
+    with pytest.raises(ValueError, match=r"mlp\.gate_proj\.weight has shape \(2, 64, 128\), "
+                                         r"config\.json implies \(2, 64, 96\)"):
+        LLM(str(other), tensor_parallel_size=2, **GEOMETRY)
