@@ -15,11 +15,13 @@ from sfjax.outputs import RequestOutput
 from sfjax.sampling_params import SamplingParams
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.tokenizer import generation_eos_ids, load_tokenizer
-from sfjax.weights import load_hf
+from sfjax.weights import load
 
 
 class LLM:
-    """An engine over one HF model folder (config.json, safetensors, tokenizer.json).
+    """An engine over one HF model folder (config.json, safetensors, tokenizer.json), or an
+    ``sfjax convert`` export (its weights an orbax checkpoint, restored straight into the mesh's
+    shards).
 
     ``model=None`` serves the embedded default model. ``tensor_parallel_size`` and
     ``data_parallel_size`` shard it over a (data, model) mesh of the first tp * dp devices; or pass
@@ -54,7 +56,7 @@ class LLM:
         self.model_path = model
         self.model_config = ModelConfig.from_folder(model, dtype)
         self.tokenizer = load_tokenizer(tokenizer or model)
-        weights = load_hf(model, self.model_config)
+        weights = load(model, self.model_config, mesh)
         config = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -68,7 +70,7 @@ class LLM:
             if not os.path.isdir(draft_path):
                 raise ValueError(f"speculative_config.model: {draft_path!r} is not a folder")
             draft_cfg = ModelConfig.from_folder(draft_path, dtype)
-            draft = (draft_cfg, load_hf(draft_path, draft_cfg))
+            draft = (draft_cfg, load(draft_path, draft_cfg))
         self.engine = Engine(self.model_config, weights, self.tokenizer, config,
                              generation_eos_ids(model, self.model_config.eos_token_ids), spec, draft,
                              mesh)

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -69,11 +70,22 @@ def describe(cfg: ModelConfig) -> dict[str, ArrayInfo]:
     return out
 
 
-def abstract(cfg: ModelConfig) -> Weights:
-    """The weights as ``jax.ShapeDtypeStruct``s (restore targets, ``jit(...).lower``)."""
+def abstract(cfg: ModelConfig, mesh=None) -> Weights:
+    """The weights as ``jax.ShapeDtypeStruct``s (restore targets, ``jit(...).lower``). With a
+    (data, model) ``mesh`` each carries its ``NamedSharding`` from the rules table
+    (``sharding.weight_specs``), so a restore into it reads only the shards of this process's
+    devices."""
     info = describe(cfg)
-    return Weights(**{k: jax.ShapeDtypeStruct(a.shape, cfg.jnp_dtype) for k, a in info.items()},
+    tree = Weights(**{k: jax.ShapeDtypeStruct(a.shape, cfg.jnp_dtype) for k, a in info.items()},
                    **({"lm_head": None} if cfg.tie_word_embeddings else {}))
+    if mesh is None:
+        return tree
+    from sfjax import sharding          # sharding reads describe(): imported here, not above
+
+    sharding.validate(cfg, mesh)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+        tree, sharding.weight_specs(tree, cfg, mesh))
 
 
 def init_random(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
@@ -100,7 +112,9 @@ def split_layers(weights: Weights) -> Weights:
     model then unrolls its layer loop instead of scanning; see model.forward)."""
     if isinstance(weights.wq, (tuple, list)):
         return weights
-    split = {f: tuple(jnp.array(x) for x in getattr(weights, f)) for f in LAYER_FIELDS}
+    # indexed, not iterated: an array sharded over several processes' devices can't be iterated
+    split = {f: tuple(getattr(weights, f)[i] for i in range(getattr(weights, f).shape[0]))
+             for f in LAYER_FIELDS}
     return dataclasses.replace(weights, **split)
 
 
@@ -233,9 +247,11 @@ def save_orbax(path: str, cfg: ModelConfig, weights: Weights) -> None:
         ckptr.save(os.path.abspath(os.path.join(path, ORBAX_DIR)), weights)
 
 
-def load_orbax(path: str, cfg: ModelConfig) -> Weights:
-    """Restores ``save_orbax``'s weights straight into arrays of ``abstract(cfg)``'s shapes and
-    dtypes; a checkpoint of another config is refused naming the first mismatch."""
+def load_orbax(path: str, cfg: ModelConfig, mesh=None) -> Weights:
+    """Restores ``save_orbax``'s weights straight into arrays of ``abstract(cfg, mesh)``: with a
+    mesh, sharded by the rules table as they are read (each process reads only its own devices'
+    shards; every process must call it). A checkpoint of another config is refused naming the
+    first array that does not fit."""
     import orbax.checkpoint as ocp
 
     ckpt = os.path.abspath(os.path.join(path, ORBAX_DIR))
@@ -245,9 +261,28 @@ def load_orbax(path: str, cfg: ModelConfig) -> Weights:
         stored = ckptr.metadata(ckpt)
         stored = getattr(stored, "item_metadata", stored)     # StepMetadata -> its tree
         stored = getattr(stored, "tree", stored)              # TreeMetadata -> {name: metadata}
-        for name, want in describe(cfg).items():
-            got = stored.get(name)
-            if got is None or tuple(got.shape) != want.shape:
-                raise ValueError(f"orbax checkpoint {path!r}: weights.{name} has shape "
-                                 f"{None if got is None else tuple(got.shape)}, the config needs {want.shape}")
-        return ckptr.restore(ckpt, abstract(cfg))
+        _check_stored(path, dict(stored), cfg)
+        return ckptr.restore(ckpt, abstract(cfg, mesh))
+
+
+def _check_stored(path: str, stored: dict, cfg: ModelConfig) -> None:
+    want = describe(cfg)
+    for name in sorted(set(stored) - set(want)):
+        if stored[name] is not None:
+            why = "the config ties lm_head to embed" if name == "lm_head" else "the config has no such array"
+            raise ValueError(f"orbax checkpoint {path!r}: holds weights.{name}, but {why} "
+                             "(a checkpoint of another model?)")
+    for name, a in want.items():
+        got = stored.get(name)
+        if got is None or tuple(got.shape) != a.shape:
+            raise ValueError(f"orbax checkpoint {path!r}: weights.{name} has shape "
+                             f"{None if got is None else tuple(got.shape)}, the config needs "
+                             f"{a.shape} (a checkpoint of another model?)")
+
+
+def load(path: str, cfg: ModelConfig, mesh=None) -> Weights:
+    """A model folder's weights: its orbax checkpoint (``sfjax convert``'s export: ``orbax/``),
+    restored sharded over ``mesh``; else its safetensors (host arrays, placed by the engine)."""
+    if os.path.isdir(os.path.join(path, ORBAX_DIR)):
+        return load_orbax(path, cfg, mesh)
+    return load_hf(path, cfg)
