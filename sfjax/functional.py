@@ -212,7 +212,8 @@ def _weights(weights, draft_weights, cfg: Config):
             W.check(draft_weights, cfg.draft)
         except ValueError as e:
             raise ValueError(f"draft_{e}") from None
-    draft_weights = draft_weights if cfg.draft is not None else None
+    draft_weights = W.untie(draft_weights) if cfg.draft is not None else None
+    weights = W.untie(weights)
     if cfg.layer_loop == "unrolled" or (cfg.layer_loop == "auto" and jax.default_backend() == "cpu"):
         weights = W.split_layers(weights)
         draft_weights = W.split_layers(draft_weights) if draft_weights is not None else None
@@ -370,6 +371,24 @@ def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
     Finished rows take no part; ``num_rounds`` may be traced."""
     w, dw = _weights(weights, draft_weights, cfg)
     return lax.fori_loop(0, num_rounds, lambda _, st: _round(w, dw, st, cfg), state)
+
+
+def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int):
+    """Up to ``num_rounds`` (traced, at most the static ``max_rounds``) rounds, stopping as soon as
+    every row is done; weights as ``_weights`` returns them. Returns (state, rounds run, and per
+    round and row the drafts proposed and the accepted drafts emitted, int32 [max_rounds, B]): the
+    engine's several rounds per host call (``Engine.step``)."""
+    rec = jnp.zeros((max_rounds, state.length.shape[0]), jnp.int32)
+
+    def body(c):
+        i, st, drafted, accepted = c
+        new = _round(w, dw, st, cfg)
+        return (i + 1, new, drafted.at[i].set(new.num_draft_tokens - st.num_draft_tokens),
+                accepted.at[i].set(new.num_accepted_tokens - st.num_accepted_tokens))
+
+    more = lambda c: (c[0] < jnp.minimum(num_rounds, max_rounds)) & jnp.any(~c[1].done)
+    n, state, drafted, accepted = lax.while_loop(more, body, (jnp.int32(0), state, rec, rec))
+    return state, n, drafted, accepted
 
 
 def outputs(state: State, width: int) -> Outputs:
