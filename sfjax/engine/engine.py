@@ -359,6 +359,9 @@ class Engine:
         n, tokens, new_len, drafted, accepted = jax.device_get(
             self._run_rounds(self.block_tables.copy(), prompt_len, length, last, live, sp, num_rounds))
         self.stats["steps"] += int(n) - 1                   # device rounds
+        # a request that speculates gets counters (zeros if it never drafts), as in a single step
+        speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
+            req, self._stop_rule(req)[2]) > 0}
         outputs = []
         for req in reqs:
             slot, before = req.slot, req.num_tokens
@@ -370,7 +373,7 @@ class Engine:
                     break
             if req.status is not Status.FINISHED:
                 self.scheduler.set_computed(req, req.num_tokens - 1)
-            if self.spec and drafted[:n, slot].any():
+            if req.request_id in speculating:
                 if req.spec_metrics is None:
                     req.spec_metrics = speculation.SpecMetrics()
                 for r in range(int(n)):
