@@ -46,15 +46,21 @@ def _head(q, head, positions, slots, *, k_cache, v_cache, layer, block_tables, s
     q = q.astype(jnp.float32)
     n_chunks = (jnp.max(positions) + KEY_CHUNK) // KEY_CHUNK           # 0 when every row is padding
 
+    def keys(cache, kpos):
+        """[T, C, D] the chunk's keys (or values) of this head, from each row's pages."""
+        if KEY_CHUNK % block_size == 0:      # whole pages: one gather of contiguous blocks
+            pages = jnp.take(tables, kpos[::block_size] // block_size, axis=1, mode="clip")  # [T, P]
+            return cache[layer, pages, :, head].reshape(t, KEY_CHUNK, d)
+        page = jnp.take(tables, kpos // block_size, axis=1, mode="clip")    # [T, C]
+        return cache[layer, page, jnp.broadcast_to(kpos % block_size, page.shape), head]
+
     def body(c, carry):
         m, l, acc = carry
         kpos = c * KEY_CHUNK + jnp.arange(KEY_CHUNK)                   # [C]
-        page = jnp.take(tables, kpos // block_size, axis=1, mode="clip")  # [T, C]
-        off = jnp.broadcast_to(kpos % block_size, page.shape)
-        k = k_cache[layer, page, off, head].astype(jnp.float32)        # [T, C, D]
+        k = keys(k_cache, kpos).astype(jnp.float32)                    # [T, C, D]
         valid = kpos[None, :] <= positions[:, None]                    # [T, C]
         # masked keys must not reach the output even as NaN (0 * NaN is NaN): zero their V
-        v = jnp.where(valid[..., None], v_cache[layer, page, off, head].astype(jnp.float32), 0.0)
+        v = jnp.where(valid[..., None], keys(v_cache, kpos).astype(jnp.float32), 0.0)
         s = jnp.einsum("tgd,tcd->tgc", q, k) * sm_scale
         s = jnp.where(valid[:, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))

@@ -22,7 +22,8 @@ def _llm(args, default_spec: dict | None = None):
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed or 0,
                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
-               enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec)
+               enable_prefix_caching=not args.no_prefix_caching,
+               num_scheduler_steps=args.num_scheduler_steps, speculative_config=spec)
 
 
 def _params(args, **over):
@@ -161,6 +162,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (prefill chunks and decode rows); default max(512, seqs)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--num-scheduler-steps", type=int, default=8,
+                   help="decode rounds per host call while every request decodes (1..1024)")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": "path/to/draft", '

@@ -17,7 +17,7 @@ equal ``LLM.generate``'s for the same weights, prompts, seeds and speculative se
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,9 @@ class Config:
         from), and the draft weights are an argument of the calls.
     block_size, row_tile, sampler, layer_loop, attention: as ``EngineConfig``; tokens equal the
         engine's for the same ``row_tile`` and ``attention``.
+    mesh, draft_mesh: a (data, model) mesh the rounds run the target (and the draft) on, with
+        weights and caches placed by ``sfjax.sharding`` (the engine's several rounds per call
+        set them; ``prefill`` and the rest run off a mesh).
     """
     model: ModelConfig
     max_model_len: int
@@ -56,6 +59,8 @@ class Config:
     sampler: str = "auto"
     layer_loop: str = "auto"
     attention: str = "auto"
+    mesh: Any = None
+    draft_mesh: Any = None
 
     def __post_init__(self):
         spec = self.speculative_config
@@ -347,7 +352,7 @@ def _round(w, dw, st: State, cfg: Config) -> State:
     dev = DeviceState(st.cache, st.history)
     if spec is None:
         dev, drawn = model_step(w, dev, batch, cfg=cfg.model, row_tile=cfg.row_tile,
-                                sampler=cfg.sampler, attention=cfg.attention)
+                                sampler=cfg.sampler, attention=cfg.attention, mesh=cfg.mesh)
         st = dataclasses.replace(st, cache=dev.cache)
         zero = jnp.zeros(s, jnp.int32)
         return _commit(st, order, live, drawn.tokens[:s, None], live.astype(jnp.int32), zero, zero,
@@ -369,7 +374,8 @@ def _round(w, dw, st: State, cfg: Config) -> State:
                    draft_slots=put(-1, slot, slot), draft_last=two + 1, verify_start=jnp.int32(0))
     dev, dcache, _, accepted, out, emitted, drafted = spec_step(
         w, dw, dev, st.draft_cache, batch, sb, cfg=cfg.model, dcfg=cfg.draft, rc=cfg.round_config,
-        row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention)
+        row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention, mesh=cfg.mesh,
+        draft_mesh=cfg.draft_mesh)
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
     return _commit(st, order, live, out, emitted, accepted, drafted, dev.history)
 
@@ -380,6 +386,24 @@ def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
     Finished rows take no part; ``num_rounds`` may be traced."""
     w, dw = _weights(weights, draft_weights, cfg)
     return lax.fori_loop(0, num_rounds, lambda _, st: _round(w, dw, st, cfg), state)
+
+
+def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int):
+    """Up to ``num_rounds`` (traced, at most the static ``max_rounds``) rounds, stopping as soon as
+    every row is done; weights as ``_weights`` returns them. Returns (state, rounds run, and per
+    round and row the drafts proposed and the accepted drafts emitted, int32 [max_rounds, B]): the
+    engine's several rounds per host call (``Engine.step``)."""
+    rec = jnp.zeros((max_rounds, state.length.shape[0]), jnp.int32)
+
+    def body(c):
+        i, st, drafted, accepted = c
+        new = _round(w, dw, st, cfg)
+        return (i + 1, new, drafted.at[i].set(new.num_draft_tokens - st.num_draft_tokens),
+                accepted.at[i].set(new.num_accepted_tokens - st.num_accepted_tokens))
+
+    more = lambda c: (c[0] < jnp.minimum(num_rounds, max_rounds)) & jnp.any(~c[1].done)
+    n, state, drafted, accepted = lax.while_loop(more, body, (jnp.int32(0), state, rec, rec))
+    return state, n, drafted, accepted
 
 
 def outputs(state: State, width: int) -> Outputs:

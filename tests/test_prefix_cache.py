@@ -170,7 +170,7 @@ def test_invariants_after_every_step_with_a_draft(tiny_folder):
         target, draft = (np.asarray(c.k[:, blocks]) for c in (eng.state.cache, eng.spec.draft_cache))
         assert np.array_equal(target, draft)
         checked.update(blocks)
-        if not eng.has_unfinished_requests():
+        if not eng.has_unfinished_requests() and step // 4 >= len(prompts):
             break
     check_idle(eng)
-    assert len(checked) >= 12 and eng.allocator.hit_tokens > 0
+    assert len(checked) >= 8 and eng.allocator.hit_tokens > 0

@@ -9,7 +9,10 @@ from sfjax.spec.round import spec_step
 
 def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
     target = model_folder(toy.tiny_config(), seed=0, std=0.1)
+    # one round per call, so every round below is a spec_step (the rounds' own program is one
+    # shape whatever the composition: test_precompile_covers_every_step_of_a_run)
     llm = LLM(target, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
+              num_scheduler_steps=1,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     rng = np.random.default_rng(0)
     seg = rng.integers(2, 500, 6).tolist()
@@ -39,11 +42,16 @@ def test_precompile_covers_every_step_of_a_run(model_folder):
     llm = LLM(target, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert llm.engine.precompile(progress=False) > 0
-    compiled = (model_step._cache_size(), spec_step._cache_size())
+    from sfjax.engine.rounds import decode_rounds
+
+    compiled = (model_step._cache_size(), spec_step._cache_size(), decode_rounds._cache_size())
+    assert compiled[2] >= 1
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": rng.integers(2, 500, n).tolist()} for n in (3, 30, 11)]
-    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
-                           SamplingParams(temperature=1.0, seed=1, max_tokens=5),
-                           SamplingParams(temperature=0, max_tokens=12, disable_spec_decode=True)],
-                 use_tqdm=False)
-    assert (model_step._cache_size(), spec_step._cache_size()) == compiled
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=1, max_tokens=5),
+              SamplingParams(temperature=0, max_tokens=12, disable_spec_decode=True)]
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)      # both fit: several rounds per call
+    assert (model_step._cache_size(), spec_step._cache_size(), decode_rounds._cache_size()) == compiled
+    assert llm.get_metrics()["host_steps"] < llm.get_metrics()["steps"]   # the rounds ran

@@ -19,7 +19,7 @@ from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
 from sfjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sfjax.sampling_params import SamplingParams
-from sfjax.engine import speculation
+from sfjax.engine import rounds, speculation
 from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
@@ -46,6 +46,7 @@ class EngineConfig:
     attention: str = "auto"                # pallas_kernels.paged_attention.paged_attention impl
     layer_loop: str = "auto"               # "scan" (stacked) | "unrolled" | "auto": unrolled on CPU
     enable_prefix_caching: bool = True     # share full KV blocks across requests by content hash
+    num_scheduler_steps: int = 8           # decode rounds per host call when every request decodes
     seed: int = 0
 
     def __post_init__(self):
@@ -57,6 +58,8 @@ class EngineConfig:
                              f"max_num_seqs ({self.max_num_seqs})")
         if self.row_tile < 1:
             raise ValueError(f"row_tile must be >= 1, got {self.row_tile}")
+        if not 1 <= self.num_scheduler_steps <= 1024:
+            raise ValueError(f"num_scheduler_steps must be in [1, 1024], got {self.num_scheduler_steps}")
 
 
 def _padded(lists: list[list], r: int, fill, dtype) -> np.ndarray:
@@ -117,8 +120,9 @@ class Engine:
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
                                 self.registry, mesh, self._split) if speculative else None)
         self.requests: dict[str, Request] = {}
+        self._rounds_cfg = None
         self._arrivals = 0
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.stats = {"steps": 0, "host_steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
         tokens = (num_blocks - 1) * config.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency "
                     "for %d tokens per request: %.2fx", num_blocks - 1, config.block_size, tokens,
@@ -223,7 +227,11 @@ class Engine:
                 row = np.zeros(self.config.max_model_len, np.int32)
                 row[:s.cached] = [s.request.token(j) for j in range(s.cached)]
                 self.state = write_history(self.state, np.int32(s.request.slot), row, np.int32(s.cached))
-        self.stats["steps"] += 1
+        self.stats["steps"] += 1                 # device rounds
+        self.stats["host_steps"] += 1            # calls that ran the device (several rounds each)
+        n_rounds = self._rounds_for(plan)
+        if n_rounds > 1:
+            return self._rounds_step(plan, n_rounds)
         spec_k = self._speculating(plan) if self.spec else {}
         if self.spec and (spec_k or self.spec.draft_cfg is not None):
             return self._spec_step(plan, spec_k)
@@ -314,6 +322,82 @@ class Engine:
             outputs.append(self.output(req, new_token_ids=new))
         return self._read_rows(meta[:start], drawn, 0) + outputs
 
+    # -- several rounds per host call ----------------------------------------------------------
+
+    def _rounds_for(self, plan: list[Scheduled]) -> int:
+        """Rounds to run on the device in one call (1: a single step). Several only when every
+        running request decodes, none waits to be admitted, each can run without the host between
+        tokens, and the free blocks hold every request's growth over the rounds; fewer rounds are
+        tried before giving up. Reserves the blocks."""
+        r = self.config.num_scheduler_steps
+        sched = self.scheduler
+        if r <= 1 or sched.waiting or len(plan) != len(sched.running):
+            return 1
+        slot = self.spec.slot if self.spec else 0
+        if not all(self._is_decode(s) and rounds.eligible(s.request, slot) for s in plan):
+            return 1
+        k1 = self.spec.k_max + 1 if self.spec else 1
+        def upto(req, r):       # the round's K/V writes stay below prompt + max_tokens
+            return min(req.num_tokens + r * k1, len(req.prompt_token_ids) + req.max_tokens)
+        while r > 1:
+            need = sum(max(0, sched.blocks_needed(upto(s.request, r)) - len(s.request.blocks))
+                       for s in plan)
+            if need <= self.allocator.num_free:
+                break
+            r //= 2
+        if r > 1:
+            for s in plan:
+                sched.grow(s.request, upto(s.request, r))
+        return r
+
+    def _rounds_step(self, plan: list[Scheduled], num_rounds: int) -> list[RequestOutput]:
+        n_slots = self.config.max_num_seqs
+        reqs = [s.request for s in plan]
+        prompt_len, length, last = (np.zeros(n_slots, np.int32) for _ in range(3))
+        live = np.zeros(n_slots, bool)
+        for req in reqs:
+            prompt_len[req.slot], length[req.slot], live[req.slot] = (
+                len(req.prompt_token_ids), req.num_tokens, True)
+            last[req.slot] = req.output_token_ids[-1]
+        sp = rounds.slot_sampling(reqs, n_slots, self.eos_token_ids)
+        n, tokens, new_len, drafted, accepted = jax.device_get(
+            self._run_rounds(self.block_tables.copy(), prompt_len, length, last, live, sp, num_rounds))
+        self.stats["steps"] += int(n) - 1                   # device rounds
+        # a request that speculates gets counters (zeros if it never drafts), as in a single step
+        speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
+            req, self._stop_rule(req)[2]) > 0}
+        outputs = []
+        for req in reqs:
+            slot, before = req.slot, req.num_tokens
+            new = []
+            for j in range(int(new_len[slot]) - before):
+                token = int(tokens[slot, j])
+                new.append(token)
+                if self._append(req, token, None).finished:
+                    break
+            if req.status is not Status.FINISHED:
+                self.scheduler.set_computed(req, req.num_tokens - 1)
+            if req.request_id in speculating:
+                if req.spec_metrics is None:
+                    req.spec_metrics = speculation.SpecMetrics()
+                for r in range(int(n)):
+                    for m in (self.spec.metrics, req.spec_metrics):
+                        m.add(int(drafted[r, slot]), int(accepted[r, slot]))
+            outputs.append(self.output(req, new_token_ids=new))
+        return outputs
+
+    def _run_rounds(self, block_tables, prompt_len, length, last, live, sp, num_rounds):
+        spec = self.spec
+        if self._rounds_cfg is None:
+            self._rounds_cfg = rounds.functional_config(self)
+        self.state, draft_cache, *out = rounds.decode_rounds(
+            self.weights, spec.draft_weights if spec else None, self.state,
+            spec.draft_cache if spec else None, block_tables, prompt_len, length, last, live, sp,
+            np.int32(num_rounds), cfg=self._rounds_cfg, max_rounds=self.config.num_scheduler_steps)
+        if spec:
+            spec.draft_cache = draft_cache
+        return out
+
     def _run_plain(self, batch: StepBatch):
         self.state, drawn = model_step(self.weights, self.state, batch, cfg=self.cfg,
                                        row_tile=self.config.row_tile, sampler=self.config.sampler,
@@ -351,6 +435,8 @@ class Engine:
             rs = span(verify, verify + max_draws)
             ds = lambda n: [n, 2 * n] if self.spec.draft_cfg is not None else [tile]
             out += [("spec", n, r, d) for n in ns for r in rs for d in ds(n)]
+        if c.num_scheduler_steps > 1:                                  # the rounds' one program
+            out.append(("rounds", 0, 0, 0))
         return out
 
     def precompile(self, progress: bool = True) -> float:
@@ -364,6 +450,12 @@ class Engine:
             if kind == "plain":
                 batch, _ = self._build_batch([], ([], [], []), [(None, -1, 0)] * r, min_rows=n)
                 self._run_plain(batch)
+                continue
+            if kind == "rounds":                 # no live slot: the loop ends before a round
+                s = self.config.max_num_seqs
+                zeros = np.zeros(s, np.int32)
+                self._run_rounds(self.block_tables.copy(), zeros, zeros, zeros, np.zeros(s, bool),
+                                 rounds.slot_sampling([], s, self.eos_token_ids), 0)
                 continue
             k1 = self.spec.k_max + 1
             tail = [(None, -1, 0)] * r

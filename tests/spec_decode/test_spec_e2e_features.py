@@ -2,6 +2,7 @@
 tokens and max_tokens inside an accepted run, the draft's max_model_len, disable_by_batch_size,
 per-request opt-out, logprobs, and detokenized text; nothing is left holding KV blocks."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -113,6 +114,17 @@ def test_draft_max_model_len_32_with_64_tokens(spec_llm, plain_llm, draft):
 def test_disable_by_batch_size_2_at_batch_8(spec_llm, plain_llm):
     llm = spec_llm("near", 3, disable_by_batch_size=2)
     eng = llm.engine
+    # one round per call here, so the running count before a call is its round's (several rounds
+    # per call apply the rule round by round: tests/test_rounds.py gives the same counters)
+    shared = eng.config
+    eng.config = dataclasses.replace(shared, num_scheduler_steps=1)
+    try:
+        _disable_by_batch_size(llm, eng, plain_llm)
+    finally:
+        eng.config = shared
+
+
+def _disable_by_batch_size(llm, eng, plain_llm):
     ps = prompts(8, seed=BATCH8_SEED)
     # the last request runs alone for its last tokens, and drafts then
     params = [greedy(6 + i) for i in range(7)] + [greedy(24)]

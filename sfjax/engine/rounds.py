@@ -1,0 +1,97 @@
+"""Several decode rounds per host call: the engine's running requests handed to
+``sfjax.functional``'s rounds on the device, with the engine's own cache, history and blocks.
+
+When every running request is decoding and none waits, ``Engine.step`` reserves blocks for up
+to ``num_scheduler_steps`` rounds, runs them in one jitted ``lax.while_loop`` (leaving it early
+once every row has ended), and reads back only the new tokens. A round is the same traced step
+the engine runs one at a time (``functional._round`` lays the batch out on the device), each
+row's bits do not depend on the layout (row tiles), and draws use the same counter keys, so the
+tokens are the single-step engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sfjax import functional as F
+from sfjax.cache import KVCache
+from sfjax.engine.scheduler import Request
+from sfjax.step import DeviceState
+
+
+def eligible(req: Request, strategy_slot: int) -> bool:
+    """Whether the device alone can run the request's rounds: nothing in its params needs the
+    host between tokens (stop strings, logprobs, logit_bias, allowed ids), and its strategy is the
+    engine's own (a per-request opt-out decodes one step at a time)."""
+    p = req.params
+    return (not p.stop and p.logprobs is None and not p.logit_bias and not p.allowed_token_ids
+            and req.strategy_slot == strategy_slot)
+
+
+def slot_sampling(reqs: list[Request], n_slots: int, eos: frozenset[int]) -> F.Sampling:
+    """``functional.Sampling`` by slot (rows of other slots are inert: they are done)."""
+    stops = {r.slot: ([] if r.params.ignore_eos else sorted(eos)) + list(r.params.stop_token_ids)
+             for r in reqs}
+    width = max([len(s) for s in stops.values()] + [1])
+    stop_ids = np.full((n_slots, -(-width // 4) * 4), -1, np.int32)
+    f32, i32 = (lambda v: np.full(n_slots, v, np.float32)), (lambda v: np.full(n_slots, v, np.int32))
+    b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
+             frequency=f32(0), repetition=f32(1), key_data=np.zeros((n_slots, 2), np.uint32),
+             max_tokens=i32(0), min_tokens=i32(0))
+    for r in reqs:
+        p, s = r.params, r.slot
+        b["temperature"][s], b["top_k"][s], b["top_p"][s], b["min_p"][s] = (
+            p.temperature, p.top_k, p.top_p, p.min_p)
+        b["presence"][s], b["frequency"][s] = p.presence_penalty, p.frequency_penalty
+        b["repetition"][s], b["key_data"][s] = p.repetition_penalty, r.key_data
+        b["max_tokens"][s], b["min_tokens"][s] = r.max_tokens, p.min_tokens
+        stop_ids[s, :len(stops[s])] = stops[s]
+    return F.Sampling(**b, stop_ids=stop_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_rounds"),
+                   donate_argnames=("state", "draft_cache"))
+def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
+                  block_tables, prompt_len, length, last, live, sampling: F.Sampling, num_rounds,
+                  *, cfg: F.Config, max_rounds: int):
+    """Up to ``num_rounds`` rounds for the ``live`` slots. DONATES ``state`` and ``draft_cache``.
+
+    ``last`` is each slot's newest token (drawn, not yet fed: the engine's history records tokens
+    as they are fed; the rounds read a row's input token from the history).
+
+    Returns (state, draft cache, rounds run, tokens int32 [slots, max_rounds * (k + 1)] from each
+    slot's old length on, new lengths, drafts proposed and accepted drafts emitted per round and
+    slot [max_rounds, slots])."""
+    zeros = jnp.zeros_like(length)
+    slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
+    history = state.history.at[slots, length - 1].set(last, mode="drop")
+    st = F.State(cache=state.cache, draft_cache=draft_cache, history=history,
+                 block_tables=block_tables, prompt_len=prompt_len, length=length, done=~live,
+                 sampling=sampling, num_drafts=zeros, num_draft_tokens=zeros,
+                 num_accepted_tokens=zeros)
+    st, n, drafted, accepted = F.run_rounds(weights, draft_weights, st, cfg, num_rounds, max_rounds)
+    spec = cfg.speculative_config
+    width = max_rounds * (spec.num_speculative_tokens + 1 if spec else 1)
+    pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
+    tokens = jnp.take_along_axis(st.history, pos, axis=1)
+    return (DeviceState(cache=st.cache, history=st.history), st.draft_cache, n, tokens, st.length,
+            drafted, accepted)
+
+
+def functional_config(engine) -> F.Config:
+    """The engine's settings as a ``functional.Config`` (its weights are already split where
+    the engine splits them, so the layer loop is fixed)."""
+    c, spec = engine.config, engine.spec
+    sc = None
+    if spec is not None:
+        sc = spec.config
+        sc = dataclasses.replace(sc, model=spec.draft_cfg if spec.draft_cfg is not None else None)
+    return F.Config(model=engine.cfg, max_model_len=c.max_model_len, speculative_config=sc,
+                    block_size=c.block_size, row_tile=c.row_tile, sampler=c.sampler,
+                    layer_loop="unrolled" if engine._split else "scan", attention=c.attention,
+                    mesh=engine.mesh, draft_mesh=spec.mesh if spec is not None else None)

@@ -1,0 +1,118 @@
+"""Several decode rounds per host call (``num_scheduler_steps``): the same tokens, finish reasons,
+speculation counters and device rounds as one step per call, with arrivals, aborts, requests
+that need the host between tokens, and a cache too small for the rounds."""
+
+import pytest
+
+from sfjax import LLM, SamplingParams, toy
+from sfjax.engine.engine import EngineConfig
+from engine_checks import check_engine, check_idle
+
+GEOMETRY = dict(max_num_seqs=4, max_model_len=64, row_tile=8)
+
+
+def _params():
+    """Every stop rule the rounds end on: EOS, stop ids, max_tokens (also 1 and 2), min_tokens,
+    max_model_len; greedy and seeded draws with the filters and penalties."""
+    return [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=1, max_tokens=23, top_k=40, top_p=0.9),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=40, repetition_penalty=1.3,
+                       presence_penalty=0.4, frequency_penalty=0.2, min_p=0.05),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=50, stop_token_ids=[5, 17, 33],
+                       min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0.7, seed=4, max_tokens=2),
+        SamplingParams(temperature=1.2, seed=5, max_tokens=50),      # EOS (id 1) may end it
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),  # up to max_model_len
+    ]
+
+
+# at most 8 tokens each, so few prefill shapes compile
+PROMPTS = [{"prompt_token_ids": p} for p in
+           ([7, 300, 12, 45, 99], [3, 3, 17, 250, 3, 3, 17], [480, 2, 2, 2], [11, 12, 13, 11, 12],
+            [200, 201], [9] * 8, list(range(40, 48)), [64, 65, 64, 65, 64])]
+
+
+def _spec(kind, folders):
+    return {"plain": None,
+            "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+            "draft": {"model": folders["same"], "num_speculative_tokens": 3},
+            "draft-rejection": {"model": folders["other"], "num_speculative_tokens": 2,
+                                "acceptance_method": "rejection_sampler"}}[kind]
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_folder, model_folder):
+    return {"same": tiny_folder, "other": model_folder(toy.tiny_config(), seed=1, std=0.1)}
+
+
+def _summary(outs):
+    return [(o.request_id, o.outputs[0].token_ids, o.outputs[0].finish_reason,
+             o.outputs[0].stop_reason, o.outputs[0].text) for o in outs]
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram", "draft"])
+def test_rounds_give_the_single_step_tokens(tiny_folder, folders, kind):
+    spec = _spec(kind, folders)
+    runs = {}
+    for steps in (1, 8):
+        llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec)
+        outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+        m = llm.get_metrics()
+        runs[steps] = (_summary(outs), m["steps"], m.get("spec_decode"),
+                       [o.metrics.spec_decode for o in outs], m["host_steps"])
+        check_idle(llm.engine)
+    one, many = runs[1], runs[8]
+    assert many[0] == one[0]                  # tokens, finish and stop reasons, text
+    assert many[1] == one[1]                  # the same device rounds
+    assert many[2] == one[2] and many[3] == one[3]   # spec counters, per request too
+    assert one[4] == one[1] and many[4] < many[1], "no call ran several rounds"
+
+
+def test_arrivals_aborts_and_host_requests_between_rounds(tiny_folder, folders):
+    """Requests arrive and are aborted while others decode; one asks for logprobs and one for a
+    stop string (the host reads them between tokens, so no rounds run while they do). Every
+    request's output equals a single-step engine's, the invariants hold after every step, and
+    nothing leaks."""
+    spec = _spec("draft-rejection", folders)
+    params = _params()
+    host = [SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+            SamplingParams(temperature=0.8, seed=7, max_tokens=30, stop=["a"])]
+    results = {}
+    for steps in (1, 8):
+        eng = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec).engine
+        outs, n = {}, 0
+        while n < 12 or eng.has_unfinished_requests():
+            if n < 12 and (n < 3 or n % 3 == 0):       # arrivals while others are decoding
+                p = {6: host[0], 9: host[1]}.get(n, params[n % len(params)])
+                eng.add_request(f"r{n}", PROMPTS[n % len(PROMPTS)], p)
+            if n == 4:
+                eng.abort("r1")
+            for o in eng.step():
+                outs[o.request_id] = o
+            check_engine(eng)
+            n += 1
+        check_idle(eng)
+        results[steps] = {k: _summary([o])[0] + (o.outputs[0].logprobs is not None,)
+                          for k, o in outs.items() if o.finished and k != "r1"}
+    assert results[8] == results[1]
+
+
+def test_rounds_shrink_to_the_free_blocks(tiny_folder):
+    """A cache too small for 16 rounds of every request: fewer rounds per call (or single steps
+    with preemption), the same tokens as a roomy single-step engine."""
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=52, ignore_eos=True) for i in range(4)]
+    ref = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=1).generate(PROMPTS[:4], params, use_tqdm=False)
+    tight = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=16, block_size=8, num_kv_blocks=1 + 24)
+    got = tight.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    m = tight.get_metrics()
+    assert m["host_steps"] < m["steps"]
+    check_idle(tight.engine)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1025])
+def test_num_scheduler_steps_out_of_range(bad):
+    with pytest.raises(ValueError, match=r"num_scheduler_steps must be in \[1, 1024\]"):
+        EngineConfig(num_scheduler_steps=bad)
