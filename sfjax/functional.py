@@ -218,7 +218,10 @@ def place_weights(weights: W.Weights, cfg: Config, draft: bool = False) -> W.Wei
     """
     mcfg = cfg.draft if draft else cfg.model
     try:
-        W.check(model.plain_shapes(weights), mcfg)
+        plain = model.plain_shapes(weights)
+        if mcfg.tie_word_embeddings and plain.lm_head is not None:   # placed: the head is embed.T
+            plain = dataclasses.replace(plain, lm_head=None)
+        W.check(plain, mcfg)
     except ValueError as e:
         raise ValueError(f"draft_{e}" if draft else str(e)) from None
     split = cfg.layer_loop == "unrolled" or (cfg.layer_loop == "auto" and jax.default_backend() == "cpu")

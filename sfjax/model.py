@@ -90,6 +90,8 @@ def block_weights(weights: Weights) -> Weights:
     """The weights with every matrix in ``matmul``'s blocked layout; blocked ones are kept. The
     engine and ``sfjax.functional`` block once (``place_weights``); model functions given plain
     weights block them on every call, a relayout of every matrix each time."""
+    if weights.lm_head is None:      # tied: the head once as embed.T, not a transpose per step
+        weights = dataclasses.replace(weights, lm_head=jnp.array(weights.embed.T))
     return _relayout(weights, block, blocked=False)
 
 
@@ -276,13 +278,7 @@ def _logits(weights: Weights, hidden, num_rows, *, cfg: ModelConfig, row_tile: i
 
     def fn(h):
         h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
-        if weights.lm_head is not None:
-            return matmul(h, weights.lm_head, jnp.float32)
-        width = cfg.vocab_size // sharding.blocks_of(cfg.vocab_size)       # tied: embed [V, d]
-        e = weights.embed.reshape(-1, width, cfg.hidden_size)                # free: [U, W, d]
-        o = lax.dot_general(jnp.broadcast_to(h[None], (e.shape[0], *h.shape)), e,
-                            (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-        return jnp.moveaxis(o, 0, 1).reshape(h.shape[0], -1)
+        return matmul(h, weights.lm_head, jnp.float32)      # a tied head is embed.T (block_weights)
 
     rows = first + jnp.arange(n) < num_rows
     out = per_tile(fn, row_tile, num_tiles_of(rows, row_tile), hidden)

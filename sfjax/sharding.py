@@ -133,11 +133,17 @@ def vocab_sharded(cfg: ModelConfig, mesh: Mesh | None) -> bool:
     return _mesh_axis("vocab", cfg, mesh) == MODEL
 
 
+def _untied(cfg: ModelConfig) -> ModelConfig:
+    """The config with its own LM head: placed weights carry a tied head as ``embed.T``
+    (``model.block_weights``), sharded as an untied one."""
+    return dataclasses.replace(cfg, tie_word_embeddings=False) if cfg.tie_word_embeddings else cfg
+
+
 def weight_axes(cfg: ModelConfig, name: str, blocked: bool, stacked: bool = True):
     """Logical axes of one field as sharded: ``weights.describe``'s, with a matrix's contracted
     axis unnamed (never sharded); blocked matrices are [.., U, K, W] with the column axis's name
     on the block axis. Without the layer axis if not ``stacked``."""
-    axes = describe(cfg)[name].axes
+    axes = describe(_untied(cfg))[name].axes
     if name != "embed" and len(axes) - (axes[0] == "layers") == 2:
         axes = (*axes[:-2], axes[-1], None, None) if blocked else (*axes[:-2], None, axes[-1])
     return axes if stacked or axes[0] != "layers" else axes[1:]
@@ -145,7 +151,7 @@ def weight_axes(cfg: ModelConfig, name: str, blocked: bool, stacked: bool = True
 
 def weight_specs(weights, cfg: ModelConfig, mesh: Mesh | None):
     """PartitionSpecs for ``weights`` (stacked or split by layer, plain or blocked), same tree."""
-    info = describe(cfg)
+    info = describe(_untied(cfg))
 
     def one(name, x, stacked=True):
         if isinstance(x, (tuple, list)):
