@@ -74,6 +74,8 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     llm = _llm(args)
     if args.prompts_file:
         work = B.file_workload(args.prompts_file, llm.get_tokenizer(), args.output_len, args.num_prompts)
@@ -88,7 +90,7 @@ def _bench(args) -> int:
     t0 = time.monotonic()
     B.run_engine(llm, work, params)                    # compiles every shape the run uses
     warm = time.monotonic() - t0
-    r = B.run_engine(llm, work, params)
+    r = min((B.run_engine(llm, work, params) for _ in range(args.repeats)), key=lambda x: x["duration"])
     result = {"sfjax": r, "compile_and_warmup_s": warm}
     if not args.json:
         print(B.report(r))
@@ -102,7 +104,7 @@ def _bench(args) -> int:
             modes["assisted"] = {"assistant_model": str(spec.config.model),
                                  "num_assistant_tokens": k,
                                  "num_assistant_tokens_schedule": "constant"}
-        hf = B.run_hf(llm.model_path, work, args.temperature, modes)
+        hf = B.run_hf(llm.model_path, work, args.temperature, modes, args.repeats)
         result["hf"] = hf
         ours = r["output_tokens"] / r["duration"]
         if not args.json:
@@ -196,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=int, default=None, help="default: 32 random, or the file's")
     b.add_argument("--input-len", type=int, default=128, help="random prompts: tokens each")
     b.add_argument("--output-len", type=int, default=128, help="new tokens per request (EOS ignored)")
+    b.add_argument("--repeats", type=int, default=3,
+                   help="timed runs after the warm-up (sfjax and each HF mode); the fastest is reported")
     b.add_argument("--compare-hf", action="store_true",
                    help="also run HF transformers generate (plain, prompt lookup, assisted) on the "
                         "same prompt ids, one at a time, and print the ratios (needs torch)")

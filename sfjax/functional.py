@@ -391,9 +391,10 @@ def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
     return lax.fori_loop(0, num_rounds, lambda _, st: _round(w, dw, st, cfg), state)
 
 
-def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int):
+def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, until_one_ends=False):
     """Up to ``num_rounds`` (traced, at most the static ``max_rounds``) rounds, stopping as soon as
-    every row is done; weights as ``_weights`` returns them. Returns (state, rounds run, and per
+    every row is done, or (``until_one_ends``, traced) once any row that was live has ended;
+    weights as ``_weights`` returns them. Returns (state, rounds run, and per
     round and row the drafts proposed and the accepted drafts emitted, int32 [max_rounds, B]): the
     engine's several rounds per host call (``Engine.step``)."""
     rec = jnp.zeros((max_rounds, state.length.shape[0]), jnp.int32)
@@ -404,7 +405,9 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int):
         return (i + 1, new, drafted.at[i].set(new.num_draft_tokens - st.num_draft_tokens),
                 accepted.at[i].set(new.num_accepted_tokens - st.num_accepted_tokens))
 
-    more = lambda c: (c[0] < jnp.minimum(num_rounds, max_rounds)) & jnp.any(~c[1].done)
+    was_live = ~state.done
+    more = lambda c: ((c[0] < jnp.minimum(num_rounds, max_rounds)) & jnp.any(~c[1].done)
+                      & ~(until_one_ends & jnp.any(c[1].done & was_live)))
     n, state, drafted, accepted = lax.while_loop(more, body, (jnp.int32(0), state, rec, rec))
     return state, n, drafted, accepted
 

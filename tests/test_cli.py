@@ -17,7 +17,7 @@ def test_generate_json_with_speculation(tiny_folder, capsys):
 
 
 def test_bench_prints_vllm_labels_and_compares_with_hf(tiny_folder, capsys):
-    assert main(["bench", "--model", tiny_folder, "--num-prompts", "3", "--input-len", "8",
+    assert main(["bench", "--model", tiny_folder, "--num-prompts", "3", "--input-len", "8", "--repeats", "1",
                  "--output-len", "5", "--max-num-seqs", "2", "--compare-hf"]) == 0
     text = capsys.readouterr().out
     for label in ("Successful requests:", "Benchmark duration (s):", "Total token throughput (tok/s):",
@@ -31,7 +31,7 @@ def test_bench_prints_vllm_labels_and_compares_with_hf(tiny_folder, capsys):
 
 def test_bench_json_reports_acceptance(tiny_folder, capsys):
     spec = json.dumps({"method": "draft_model", "model": tiny_folder, "num_speculative_tokens": 2})
-    assert main(["bench", "--model", tiny_folder, "--num-prompts", "2", "--input-len", "8",
+    assert main(["bench", "--model", tiny_folder, "--num-prompts", "2", "--input-len", "8", "--repeats", "1",
                  "--output-len", "6", "--speculative-config", spec, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)["sfjax"]
     assert r["output_tokens"] == 12 and len(r["ttft"]) == 2

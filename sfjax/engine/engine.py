@@ -326,12 +326,12 @@ class Engine:
 
     def _rounds_for(self, plan: list[Scheduled]) -> int:
         """Rounds to run on the device in one call (1: a single step). Several only when every
-        running request decodes, none waits to be admitted, each can run without the host between
+        running request decodes, no waiting one has a free slot to be admitted to, each can run without the host between
         tokens, and the free blocks hold every request's growth over the rounds; fewer rounds are
         tried before giving up. Reserves the blocks."""
         r = self.config.num_scheduler_steps
         sched = self.scheduler
-        if r <= 1 or sched.waiting or len(plan) != len(sched.running):
+        if r <= 1 or (sched.waiting and sched.has_free_slot()) or len(plan) != len(sched.running):
             return 1
         slot = self.spec.slot if self.spec else 0
         if not all(self._is_decode(s) and rounds.eligible(s.request, slot) for s in plan):
@@ -361,7 +361,8 @@ class Engine:
             last[req.slot] = req.output_token_ids[-1]
         sp = rounds.slot_sampling(reqs, n_slots, self.eos_token_ids)
         n, tokens, new_len, drafted, accepted = jax.device_get(
-            self._run_rounds(self.block_tables.copy(), prompt_len, length, last, live, sp, num_rounds))
+            self._run_rounds(self.block_tables.copy(), prompt_len, length, last, live, sp, num_rounds,
+                             bool(self.scheduler.waiting)))
         self.stats["steps"] += int(n) - 1                   # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
@@ -386,14 +387,15 @@ class Engine:
             outputs.append(self.output(req, new_token_ids=new))
         return outputs
 
-    def _run_rounds(self, block_tables, prompt_len, length, last, live, sp, num_rounds):
+    def _run_rounds(self, block_tables, prompt_len, length, last, live, sp, num_rounds,
+                    until_one_ends=False):
         spec = self.spec
         if self._rounds_cfg is None:
             self._rounds_cfg = rounds.functional_config(self)
         self.state, draft_cache, *out = rounds.decode_rounds(
             self.weights, spec.draft_weights if spec else None, self.state,
             spec.draft_cache if spec else None, block_tables, prompt_len, length, last, live, sp,
-            np.int32(num_rounds), cfg=self._rounds_cfg, max_rounds=self.config.num_scheduler_steps)
+            np.int32(num_rounds), np.bool_(until_one_ends), cfg=self._rounds_cfg, max_rounds=self.config.num_scheduler_steps)
         if spec:
             spec.draft_cache = draft_cache
         return out

@@ -1,9 +1,10 @@
 """Several decode rounds per host call: the engine's running requests handed to
 ``sfjax.functional``'s rounds on the device, with the engine's own cache, history and blocks.
 
-When every running request is decoding and none waits, ``Engine.step`` reserves blocks for up
-to ``num_scheduler_steps`` rounds, runs them in one jitted ``lax.while_loop`` (leaving it early
-once every row has ended), and reads back only the new tokens. A round is the same traced step
+When every running request is decoding and no waiting one could be admitted (no free slot),
+``Engine.step`` reserves blocks for up to ``num_scheduler_steps`` rounds, runs them in one jitted
+``lax.while_loop`` (leaving it once every row has ended, or once one has while others wait for a
+slot), and reads back only the new tokens. A round is the same traced step
 the engine runs one at a time (``functional._round`` lays the batch out on the device), each
 row's bits do not depend on the layout (row tiles), and draws use the same counter keys, so the
 tokens are the single-step engine's.
@@ -58,9 +59,10 @@ def slot_sampling(reqs: list[Request], n_slots: int, eos: frozenset[int]) -> F.S
                    donate_argnames=("state", "draft_cache"))
 def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
                   block_tables, prompt_len, length, last, live, sampling: F.Sampling, num_rounds,
-                  *, cfg: F.Config, max_rounds: int):
+                  until_one_ends, *, cfg: F.Config, max_rounds: int):
     """Up to ``num_rounds`` rounds for the ``live`` slots. DONATES ``state`` and ``draft_cache``.
 
+    ``until_one_ends``: return once any request ends (others wait for its slot).
     ``last`` is each slot's newest token (drawn, not yet fed: the engine's history records tokens
     as they are fed; the rounds read a row's input token from the history).
 
@@ -74,7 +76,8 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
                  block_tables=block_tables, prompt_len=prompt_len, length=length, done=~live,
                  sampling=sampling, num_drafts=zeros, num_draft_tokens=zeros,
                  num_accepted_tokens=zeros)
-    st, n, drafted, accepted = F.run_rounds(weights, draft_weights, st, cfg, num_rounds, max_rounds)
+    st, n, drafted, accepted = F.run_rounds(weights, draft_weights, st, cfg, num_rounds, max_rounds,
+                                              until_one_ends)
     spec = cfg.speculative_config
     width = max_rounds * (spec.num_speculative_tokens + 1 if spec else 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)

@@ -100,6 +100,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def has_free_slot(self) -> bool:
+        return bool(self._free_slots)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
