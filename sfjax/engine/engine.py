@@ -326,9 +326,9 @@ class Engine:
 
     def _rounds_for(self, plan: list[Scheduled]) -> int:
         """Rounds to run on the device in one call (1: a single step). Several only when every
-        running request decodes, no waiting one has a free slot to be admitted to, each can run without the host between
-        tokens, and the free blocks hold every request's growth over the rounds; fewer rounds are
-        tried before giving up. Reserves the blocks."""
+        running request decodes, no waiting one has a free slot to be admitted to, each can run
+        without the host between tokens, and the free blocks hold every request's growth over the
+        rounds; fewer rounds are tried before giving up. Reserves the blocks."""
         r = self.config.num_scheduler_steps
         sched = self.scheduler
         if r <= 1 or (sched.waiting and sched.has_free_slot()) or len(plan) != len(sched.running):
@@ -395,7 +395,8 @@ class Engine:
         self.state, draft_cache, *out = rounds.decode_rounds(
             self.weights, spec.draft_weights if spec else None, self.state,
             spec.draft_cache if spec else None, block_tables, prompt_len, length, last, live, sp,
-            np.int32(num_rounds), np.bool_(until_one_ends), cfg=self._rounds_cfg, max_rounds=self.config.num_scheduler_steps)
+            np.int32(num_rounds), np.bool_(until_one_ends), cfg=self._rounds_cfg,
+            max_rounds=self.config.num_scheduler_steps)
         if spec:
             spec.draft_cache = draft_cache
         return out
