@@ -143,19 +143,35 @@ class Sampling:
                     raise ValueError(f"SamplingParams.{name}: not offered by sfjax.functional")
             if p.seed is None and p.temperature > 0:
                 raise ValueError("SamplingParams.seed: sampled rows need a seed in sfjax.functional")
-        stops = [([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids for p in params]
-        stop_ids = np.full((len(params), max(map(len, stops), default=0) or 1), -1, np.int32)
-        for i, s in enumerate(stops):
-            stop_ids[i, :len(s)] = s
-        col = lambda f, dtype: np.array([f(p) for p in params], dtype)
-        return cls(temperature=col(lambda p: p.temperature, np.float32), top_k=col(lambda p: p.top_k, np.int32),
-                   top_p=col(lambda p: p.top_p, np.float32), min_p=col(lambda p: p.min_p, np.float32),
-                   presence=col(lambda p: p.presence_penalty, np.float32),
-                   frequency=col(lambda p: p.frequency_penalty, np.float32),
-                   repetition=col(lambda p: p.repetition_penalty, np.float32),
-                   key_data=np.array([request_key_data(p.seed or 0) for p in params], np.uint32),
-                   max_tokens=col(lambda p: p.max_tokens or np.iinfo(np.int32).max, np.int32),
-                   min_tokens=col(lambda p: p.min_tokens, np.int32), stop_ids=stop_ids)
+        return cls.placed(params, [request_key_data(p.seed or 0) for p in params],
+                          [p.max_tokens or np.iinfo(np.int32).max for p in params],
+                          eos_token_ids=eos_token_ids)
+
+    @classmethod
+    def placed(cls, params: Sequence[SamplingParams], key_data, max_tokens, *,
+               eos_token_ids: Sequence[int], rows: Sequence[int] | None = None,
+               num_rows: int | None = None) -> "Sampling":
+        """Arrays with ``params[i]`` (its request key data and its resolved ``max_tokens``) at row
+        ``rows[i]`` (default i) of ``num_rows`` (default len(params)); other rows are inert:
+        greedy, no penalties, no stop ids, max_tokens 0. Unchecked (``from_params`` checks); the
+        engine's several-rounds path places its slots' requests with it. The stop-id width is
+        rounded up to a multiple of 4, so few shapes compile."""
+        rows = list(range(len(params))) if rows is None else list(rows)
+        n = len(params) if num_rows is None else num_rows
+        stops = [([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids) for p in params]
+        stop_ids = np.full((n, -(-max(map(len, stops), default=1) // 4) * 4 or 4), -1, np.int32)
+        f32, i32 = (lambda v: np.full(n, v, np.float32)), (lambda v: np.full(n, v, np.int32))
+        b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
+                 frequency=f32(0), repetition=f32(1), key_data=np.zeros((n, 2), np.uint32),
+                 max_tokens=i32(0), min_tokens=i32(0))
+        for r, p, key, most, stop in zip(rows, params, key_data, max_tokens, stops):
+            b["temperature"][r], b["top_k"][r], b["top_p"][r], b["min_p"][r] = (
+                p.temperature, p.top_k, p.top_p, p.min_p)
+            b["presence"][r], b["frequency"][r] = p.presence_penalty, p.frequency_penalty
+            b["repetition"][r], b["key_data"][r] = p.repetition_penalty, key
+            b["max_tokens"][r], b["min_tokens"][r] = most, p.min_tokens
+            stop_ids[r, :len(stop)] = stop
+        return cls(**b, stop_ids=stop_ids)
 
 
 @jax.tree_util.register_dataclass

@@ -17,7 +17,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sfjax import functional as F
 from sfjax.cache import KVCache
@@ -36,23 +35,9 @@ def eligible(req: Request, strategy_slot: int) -> bool:
 
 def slot_sampling(reqs: list[Request], n_slots: int, eos: frozenset[int]) -> F.Sampling:
     """``functional.Sampling`` by slot (rows of other slots are inert: they are done)."""
-    stops = {r.slot: ([] if r.params.ignore_eos else sorted(eos)) + list(r.params.stop_token_ids)
-             for r in reqs}
-    width = max([len(s) for s in stops.values()] + [1])
-    stop_ids = np.full((n_slots, -(-width // 4) * 4), -1, np.int32)
-    f32, i32 = (lambda v: np.full(n_slots, v, np.float32)), (lambda v: np.full(n_slots, v, np.int32))
-    b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
-             frequency=f32(0), repetition=f32(1), key_data=np.zeros((n_slots, 2), np.uint32),
-             max_tokens=i32(0), min_tokens=i32(0))
-    for r in reqs:
-        p, s = r.params, r.slot
-        b["temperature"][s], b["top_k"][s], b["top_p"][s], b["min_p"][s] = (
-            p.temperature, p.top_k, p.top_p, p.min_p)
-        b["presence"][s], b["frequency"][s] = p.presence_penalty, p.frequency_penalty
-        b["repetition"][s], b["key_data"][s] = p.repetition_penalty, r.key_data
-        b["max_tokens"][s], b["min_tokens"][s] = r.max_tokens, p.min_tokens
-        stop_ids[s, :len(stops[s])] = stops[s]
-    return F.Sampling(**b, stop_ids=stop_ids)
+    return F.Sampling.placed([r.params for r in reqs], [r.key_data for r in reqs],
+                             [r.max_tokens for r in reqs], eos_token_ids=sorted(eos),
+                             rows=[r.slot for r in reqs], num_rows=n_slots)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_rounds"),
