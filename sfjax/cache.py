@@ -3,6 +3,10 @@
 Pages are ``[layers, num_blocks, block_size, kv_heads, head_dim]``. Block 0 is the null block: it
 is never handed out, padding rows write there, and unused block-table entries point at it. Pages
 are zeroed at creation because a masked score still multiplies V (0 * NaN is NaN).
+
+Over dp data shards the block axis is split (``sharding.RULES``): shard d holds pages
+[d * B / dp, (d + 1) * B / dp) of the B, addressed by local ids 0 .. B / dp - 1, its local page 0
+its own null block; ``ShardedAllocator`` hands them out per shard.
 """
 
 from __future__ import annotations
@@ -34,16 +38,23 @@ class KVCache:
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype=None,
               mesh=None) -> "KVCache":
-        """Zeroed pages; on a ``mesh`` sharded by ``sharding.CACHE_AXES`` (KV heads over model)."""
+        """Zeroed pages; on a ``mesh`` sharded by ``sharding.CACHE_AXES`` (KV heads over model,
+        pages over data)."""
+        dp = sharding.dp_of(mesh)
+        if num_blocks % dp:
+            raise ValueError(f"num_kv_blocks ({num_blocks}) must be divisible by "
+                             f"data_parallel_size ({dp}): each data shard holds its own pages")
         shape = cls.shape(cfg, num_blocks, block_size)
         dtype = dtype or cfg.jnp_dtype
         spec = sharding.cache_spec(cfg, mesh)
         return cls(k=sharding.zeros(shape, dtype, spec, mesh), v=sharding.zeros(shape, dtype, spec, mesh))
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype=None) -> int:
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype=None, mesh=None) -> int:
+        """A block's K and V bytes (on one device of ``mesh``: its share of the KV heads)."""
         itemsize = jnp.dtype(dtype or cfg.jnp_dtype).itemsize
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        heads = cfg.num_kv_heads // sharding.kv_shards(cfg, mesh)
+        return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * itemsize
 
 
 def validate_block_size(block_size: int) -> None:
@@ -159,3 +170,36 @@ class BlockAllocator:
 
     def cached_ids(self) -> set[int]:
         return set(self._hash_of)
+
+
+class ShardedAllocator:
+    """One ``BlockAllocator`` per data shard, over num_blocks / dp local pages each (local page 0
+    the shard's null block). The scheduler takes a slot's pages from its shard's allocator
+    (``shards[shard]``); this class only holds them and sums their counters."""
+
+    def __init__(self, num_blocks: int, num_shards: int, *, prefix_caching: bool = False):
+        per = num_blocks // num_shards
+        if num_blocks % num_shards or per < 2:
+            raise ValueError(f"num_kv_blocks ({num_blocks}) must be a multiple of "
+                             f"data_parallel_size ({num_shards}) with >= 2 blocks per data shard "
+                             "(each shard's block 0 is reserved)")
+        self.num_blocks = num_blocks
+        self.prefix_caching = prefix_caching
+        self.shards = [BlockAllocator(per, prefix_caching=prefix_caching)
+                       for _ in range(num_shards)]
+
+    @property
+    def num_free(self) -> int:
+        return sum(a.num_free for a in self.shards)
+
+    @property
+    def query_tokens(self) -> int:
+        return sum(a.query_tokens for a in self.shards)
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(a.hit_tokens for a in self.shards)
+
+    def reset_prefix_cache(self) -> None:
+        for a in self.shards:
+            a.reset_prefix_cache()

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sfjax import model
+from sfjax import model, sharding
 from sfjax import weights as W
 from sfjax.cache import KVCache, validate_block_size
 from sfjax.config import ModelConfig
@@ -47,9 +47,10 @@ class Config:
         from), and the draft weights are an argument of the calls.
     block_size, row_tile, sampler, layer_loop, attention: as ``EngineConfig``; tokens equal the
         engine's for the same ``row_tile`` and ``attention``.
-    mesh, draft_mesh: a (data, model) mesh the rounds run the target (and the draft) on, with
-        weights and caches placed by ``sfjax.sharding`` (the engine's several rounds per call
-        set them; ``prefill`` and the rest run off a mesh).
+    mesh, draft_mesh: a (data, model) mesh the target (and the draft; default: the target's
+        mesh) run on, under ``shard_map`` with the caches placed by ``sfjax.sharding`` (the
+        engine's several rounds per call set them). Over dp > 1 data shards the batch B must be
+        divisible by dp: row b is slot b, in data shard b // (B / dp), with its pages there.
     """
     model: ModelConfig
     max_model_len: int
@@ -63,6 +64,8 @@ class Config:
     draft_mesh: Any = None
 
     def __post_init__(self):
+        if self.mesh is not None and self.draft_mesh is None:
+            object.__setattr__(self, "draft_mesh", self.mesh)
         spec = self.speculative_config
         if spec is not None:
             spec = SpeculativeConfig.from_dict(spec)
@@ -311,37 +314,46 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
         raise ValueError(f"prompt_ids: width {p} leaves no room for output under max_model_len "
                          f"({cfg.max_model_len})")
     prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
+    dp = sharding.dp_of(cfg.mesh)
+    if s % dp:
+        raise ValueError(f"prompt_ids: a batch of {s} rows can't be split over the mesh's "
+                         f"{dp} data shards")
     per_seq = -(-cfg.max_model_len // cfg.block_size)
-    num_blocks = 1 + s * per_seq                                # block 0 is the null block
+    num_blocks = dp * (1 + s // dp * per_seq)       # each data shard: its null block 0, its rows'
+    local = jnp.arange(s, dtype=jnp.int32) % (s // dp)
     zeros_b = jnp.zeros_like(prompt_lens)
     st = State(
-        cache=KVCache.zeros(cfg.model, num_blocks, cfg.block_size),
-        draft_cache=KVCache.zeros(cfg.draft, num_blocks, cfg.block_size) if cfg.draft else None,
+        cache=KVCache.zeros(cfg.model, num_blocks, cfg.block_size, mesh=cfg.mesh),
+        draft_cache=(KVCache.zeros(cfg.draft, num_blocks, cfg.block_size, mesh=cfg.draft_mesh)
+                     if cfg.draft else None),
         history=jnp.zeros((s, cfg.max_model_len), jnp.int32),
-        block_tables=1 + jnp.arange(s * per_seq, dtype=jnp.int32).reshape(s, per_seq),
+        block_tables=1 + local[:, None] * per_seq + jnp.arange(per_seq, dtype=jnp.int32)[None, :],
         prompt_len=prompt_lens, length=prompt_lens, done=prompt_lens <= 0,
         sampling=jax.tree.map(jnp.asarray, sampling), num_drafts=zeros_b, num_draft_tokens=zeros_b,
         num_accepted_tokens=zeros_b)
     live = ~st.done
     pos = jnp.arange(p, dtype=jnp.int32)[None, :]
     real = pos < prompt_lens[:, None]
-    n = _tiles(s * p, cfg.row_tile)
-    flat = lambda x, fill: jnp.concatenate([x.reshape(-1), jnp.full(n - s * p, fill, jnp.int32)])
+    rows = jnp.arange(s, dtype=jnp.int32)
+    first, n = sharding.slot_rows(rows, rows >= 0, s, cfg.mesh, p, cfg.row_tile)   # by data shard
+    at = (first[:, None] + pos).reshape(-1)
+    flat = lambda x, fill: jnp.full(n, fill, jnp.int32).at[at].set(x.reshape(-1))
     tokens = flat(jnp.asarray(prompt_ids, jnp.int32), 0)
     positions = flat(jnp.where(real, pos, -1), -1)
-    slots = flat(jnp.where(real, jnp.arange(s, dtype=jnp.int32)[:, None], -1), -1)
+    slots = flat(jnp.where(real, rows[:, None], -1), -1)
     r = _tiles(s, cfg.row_tile)
-    rows = jnp.arange(s, dtype=jnp.int32)
-    logit_rows = jnp.concatenate([rows * p + jnp.maximum(prompt_lens - 1, 0), jnp.zeros(r - s, jnp.int32)])
+    logit_rows = jnp.concatenate([first + jnp.maximum(prompt_lens - 1, 0),
+                                  jnp.zeros(r - s, jnp.int32)])
     batch = StepBatch(tokens=tokens, positions=positions, slots=slots, block_tables=st.block_tables,
                       logit_rows=logit_rows, num_logit_rows=jnp.int32(s), with_logprobs=jnp.bool_(False),
                       sampling=_sampling_rows(st.sampling, rows, prompt_lens, prompt_lens, 1, r))
     dev, drawn = model_step(w, DeviceState(st.cache, st.history), batch, cfg=cfg.model,
-                            row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention)
+                            row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention,
+                            mesh=cfg.mesh)
     dcache = st.draft_cache
     if cfg.draft is not None:   # the draft's cache gets the same prompt rows
         _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables, cfg.draft,
-                                  cfg.row_tile)
+                                  cfg.row_tile, mesh=cfg.draft_mesh)
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
     one = live.astype(jnp.int32)
     return _commit(st, rows, live, drawn.tokens[:s, None], one, zeros_b, zeros_b, dev.history)
@@ -360,14 +372,16 @@ def _round(w, dw, st: State, cfg: Config) -> State:
     slot = jnp.where(live, order, -1)
     spec = cfg.speculative_config
     k1 = spec.num_speculative_tokens + 1 if spec else 1
-    n = _tiles(s * k1, cfg.row_tile)
-    first = jnp.arange(s, dtype=jnp.int32) * k1                         # each row's first step row
+    first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile)  # each row's first
+    r = _tiles(s * k1, cfg.row_tile)                                          # step row; logit rows
+    rows = (first[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]).reshape(-1)
+    put = lambda fill, x: jnp.full(n, fill, jnp.int32).at[first].set(x, mode="drop")
     batch = StepBatch(
-        tokens=jnp.zeros(n, jnp.int32).at[first].set(last),
-        positions=jnp.full(n, -1, jnp.int32).at[first].set(jnp.where(live, length - 1, -1)),
-        slots=jnp.full(n, -1, jnp.int32).at[first].set(slot), block_tables=st.block_tables,
-        logit_rows=jnp.arange(n, dtype=jnp.int32), num_logit_rows=n_live * k1,
-        with_logprobs=jnp.bool_(False), sampling=_sampling_rows(sp, order, length, plen, k1, n))
+        tokens=put(0, last), positions=put(-1, jnp.where(live, length - 1, -1)),
+        slots=put(-1, slot), block_tables=st.block_tables,
+        logit_rows=jnp.concatenate([jnp.where(rows < n, rows, 0), jnp.arange(s * k1, r)]),
+        num_logit_rows=n_live * k1, with_logprobs=jnp.bool_(False),
+        sampling=_sampling_rows(sp, order, length, plen, k1, r))
     dev = DeviceState(st.cache, st.history)
     if spec is None:
         dev, drawn = model_step(w, dev, batch, cfg=cfg.model, row_tile=cfg.row_tile,
@@ -381,16 +395,17 @@ def _round(w, dw, st: State, cfg: Config) -> State:
     k = jnp.where(live & (length + k <= cfg.draft_limit), k, 0)
     if spec.disable_by_batch_size is not None:
         k = jnp.where(n_live < spec.disable_by_batch_size, k, 0)
-    na = _tiles(2 * s, cfg.row_tile)
-    two = jnp.arange(s, dtype=jnp.int32) * 2                              # draft rows L-2, L-1
+    two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile)  # rows L-2, L-1
     prev = st.history[order, jnp.maximum(length - 2, 0)]
-    put = lambda fill, a, b: jnp.full(na, fill, jnp.int32).at[two].set(a).at[two + 1].set(b)
+    put = lambda fill, a, b: (jnp.full(na, fill, jnp.int32).at[two].set(a, mode="drop")
+                              .at[two + 1].set(b, mode="drop"))
     on = lambda x: jnp.where(live, x, -1)
     sb = SpecBatch(slots=slot, length=jnp.where(live, length, 0), k=k, verify_row=first,
                    stop_ids=sp.stop_ids, min_left=jnp.maximum(sp.min_tokens - out_n, 0),
                    budget=jnp.where(live, budget, 0), draft_tokens=put(0, prev, last),
                    draft_positions=put(-1, on(length - 2), on(length - 1)),
-                   draft_slots=put(-1, slot, slot), draft_last=two + 1, verify_start=jnp.int32(0))
+                   draft_slots=put(-1, slot, slot), draft_last=jnp.minimum(two + 1, na - 1),
+                   verify_start=jnp.int32(0))
     dev, dcache, _, accepted, out, emitted, drafted = spec_step(
         w, dw, dev, st.draft_cache, batch, sb, cfg=cfg.model, dcfg=cfg.draft, rc=cfg.round_config,
         row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention, mesh=cfg.mesh,

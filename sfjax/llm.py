@@ -25,7 +25,9 @@ class LLM:
 
     ``model=None`` serves the embedded default model. ``tensor_parallel_size`` and
     ``data_parallel_size`` shard it over a (data, model) mesh of the first tp * dp devices; or pass
-    a ``mesh`` (axes ``data`` and ``model``) built by the calling JAX program. Bad input raises ValueError naming the
+    a ``mesh`` (axes ``data`` and ``model``) built by the calling JAX program. Each data shard
+    serves max_num_seqs / dp slots from its own num_kv_blocks / dp KV pages; ``kv_cache_bytes``
+    caps the default cache's pages per device. Bad input raises ValueError naming the
     problem before anything runs: for ``generate``, every prompt and its SamplingParams are
     checked first, and if one is refused nothing of the call is enqueued, so no request is
     half-run or lost; requests already in the engine carry on.

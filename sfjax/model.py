@@ -141,9 +141,14 @@ class _Split:
         """All model shards' columns of ``x`` (an all-gather; nothing on one device)."""
         return x if self.tp == 1 else lax.all_gather(x, sharding.MODEL, axis=axis, tiled=True)
 
-    def rows(self, x):
-        """Every data shard's rows of ``x``."""
-        return x if self.dp == 1 else lax.all_gather(x, sharding.DATA, axis=0, tiled=True)
+    def own_slots(self, slots, num_slots: int):
+        """``slots`` with rows of other data shards' slots made padding (-1). Rows come laid out
+        by shard, so this changes nothing; a misplaced row can then not write another request's
+        pages (its page ids are another shard's)."""
+        if self.dp == 1:
+            return slots
+        mine = slots // (num_slots // self.dp) == lax.axis_index(sharding.DATA)
+        return jnp.where(mine, slots, -1)
 
 
 def _embed(embed, tokens, sp: _Split):
@@ -200,18 +205,20 @@ def _attention(q, kc, vc, i, block_tables, slots, positions, cfg, row_tile, atte
 def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables, *,
              cfg: ModelConfig, row_tile: int, attention: str, sp: _Split):
     """One shard's forward (the whole forward off a mesh). Stages are separate row-tile loops,
-    with the all-gathers between them, the same on one device as on many."""
+    with the all-gathers between them, the same on one device as on many. A data shard's rows
+    are its own slots' (``sharding.slot_rows``), so it writes and reads only its own pages."""
     inv_freq = rope_frequencies(cfg)
+    slots = sp.own_slots(slots, block_tables.shape[0])
     tiles = num_tiles_of(positions >= 0, row_tile)
     x = _embed(weights.embed, tokens, sp)
-    page, off = map(sp.rows, cache_slots(block_tables, slots, positions, cache.k.shape[2]))
+    page, off = cache_slots(block_tables, slots, positions, cache.k.shape[2])
     tiled = lambda fn, *xs: per_tile(fn, row_tile, tiles, *xs)
 
     def layer(carry, lw, i):
         x, kc, vc = carry
         q, k, v = tiled(functools.partial(_qkv, lw=lw, cfg=cfg, inv_freq=inv_freq), x, positions)
-        kc = kc.at[i, page, off].set(sp.rows(k).astype(kc.dtype))
-        vc = vc.at[i, page, off].set(sp.rows(v).astype(vc.dtype))
+        kc = kc.at[i, page, off].set(k.astype(kc.dtype))
+        vc = vc.at[i, page, off].set(v.astype(vc.dtype))
         attn = _attention(q, kc, vc, i, block_tables, slots, positions, cfg, row_tile, attention, sp)
         attn = sp.columns(attn, 1).astype(x.dtype)                        # [N, heads, D]
         delta = sp.columns(tiled(lambda a: matmul(a.reshape(a.shape[0], -1), lw["wo"]), attn), 1)
@@ -232,8 +239,12 @@ def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_t
 
 
 def _pad_rows(mesh, row_tile, *xs):
-    """Rows padded (as padding rows, -1) so each data shard gets whole tiles."""
-    n = xs[0].shape[0]
+    """Rows padded (as padding rows, -1) to whole tiles. Over dp > 1 data shards they must come
+    laid out by shard already: dp equal segments of whole tiles."""
+    n, dp = xs[0].shape[0], sharding.dp_of(mesh)
+    if dp > 1 and n % (dp * row_tile):
+        raise ValueError(f"{n} rows can't be laid out by data shard: over {dp} shards a step "
+                         f"needs a multiple of {dp} x row_tile ({row_tile}) rows")
     m = sharding.pad_to(n, mesh, row_tile)
     return [jnp.pad(x, (0, m - n), constant_values=fill) for x, fill in zip(xs, (0, -1, -1))]
 
@@ -253,7 +264,10 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
       attention: ``pallas_kernels.paged_attention.paged_attention``'s impl ("auto": the Pallas
         kernel on GPU and TPU, the reference on CPU; "interpret": the kernel in the interpreter).
       mesh: a (data, model) mesh (``sfjax.sharding``): the forward runs under ``shard_map`` with
-        the weights and cache sharded by the rules table and the rows split over ``data``.
+        the weights and cache sharded by the rules table (the cache's pages over ``data``) and
+        the rows split over ``data``. Over dp > 1 data shards the rows come laid out by shard
+        (N = dp equal segments of whole tiles, segment d only rows of shard d's slots, see
+        ``sharding.slot_rows``) and ``block_tables`` hold each shard's local page ids.
     Returns:
       (hidden [N, d], cache) with this call's K/V written.
     """

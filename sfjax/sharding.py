@@ -2,7 +2,17 @@
 
 Every weight and cache array names its axes (``weights.describe``, ``CACHE_AXES``); ``RULES`` maps
 a name to a mesh axis. Tensor parallelism shards column blocks over ``model``; data parallelism
-shards the step's rows over ``data``.
+shards the slots over ``data``, with their KV pages and their rows of each step.
+
+Slots over ``data`` (vLLM's data parallelism, inside one single-controller step): with dp data
+shards and max_num_seqs S, slot s belongs to shard s // (S / dp). The cache's block axis is split
+over ``data``: each shard holds num_kv_blocks / dp pages, its own page 0 its null block, and the
+host allocates a slot's pages from its shard's allocator (``cache.ShardedAllocator``), so block
+tables hold local page ids. A step's rows come laid out by shard: dp equal contiguous segments of
+whole row tiles, segment d holding only rows of shard d's slots (and padding), so each shard
+writes and reads only its own pages and no K/V crosses ``data``. The host lays out the engine's
+steps (``engine.speculation.pack``); steps laid out on the device place their rows with
+``slot_rows``. The history, block tables and sampling run replicated.
 
 Exactness (DESIGN §1.2: a row's bits must not depend on how it was computed). A split contraction
 followed by an all-reduce (Megatron's row-parallel o_proj and down_proj) changes the summation
@@ -45,8 +55,9 @@ RULES = {
     "embed_out": MODEL,   # o_proj / down_proj output columns
     "embed": None,        # the hidden axis where it is contracted or normalized
     "layers": None,
-    "cache_blocks": None, "block": None, "head_dim": None,
-    "rows": DATA,         # the step's token rows (and logit rows)
+    "cache_blocks": DATA,  # KV pages: each data shard holds its own slots' pages
+    "block": None, "head_dim": None,
+    "rows": DATA,         # the step's token rows (laid out by shard) and logit rows
 }
 CACHE_AXES = ("layers", "cache_blocks", "block", "kv_heads", "head_dim")
 
@@ -123,6 +134,11 @@ def _mesh_axis(name: str | None, cfg: ModelConfig, mesh: Mesh | None):
 
 def spec(axes: tuple[str | None, ...], cfg: ModelConfig, mesh: Mesh | None) -> P:
     return P(*(_mesh_axis(a, cfg, mesh) for a in axes))
+
+
+def kv_shards(cfg: ModelConfig, mesh: Mesh | None) -> int:
+    """How many ways the KV heads are split over ``model`` (1 where they are replicated)."""
+    return tp_of(mesh) if _mesh_axis("kv_heads", cfg, mesh) == MODEL else 1
 
 
 def kv_replicated(cfg: ModelConfig, mesh: Mesh | None) -> bool:
@@ -203,6 +219,35 @@ def pad_to(n: int, mesh: Mesh | None, row_tile: int) -> int:
     """Rows padded so every data shard gets whole tiles."""
     m = row_tile * dp_of(mesh)
     return -(-n // m) * m
+
+
+def validate_slots(max_num_seqs: int, mesh: Mesh | None) -> None:
+    dp = dp_of(mesh)
+    if max_num_seqs % dp:
+        raise ValueError(f"max_num_seqs ({max_num_seqs}) must be divisible by data_parallel_size "
+                         f"({dp}): each data shard serves max_num_seqs / data_parallel_size slots")
+
+
+def slot_rows(slots, live, num_slots: int, mesh: Mesh | None, rows_per_slot: int, row_tile: int):
+    """Rows on the device for entries of ``rows_per_slot`` consecutive rows each (entry e is slot
+    ``slots[e]``, int32 [E], where ``live``), laid out by data shard: shard d's segment holds its
+    live entries packed in entry order. Returns (first row of each entry int32 [E], rows in all).
+
+    Off a mesh or at dp 1, entry e starts at row e * rows_per_slot, live or not. Over dp shards a
+    segment is num_slots / dp entries rounded up to whole tiles, and an entry that is not live
+    starts at the row count (out of range: scatters with mode="drop" skip it)."""
+    e, dp = slots.shape[0], dp_of(mesh)
+    tiles = lambda n: -(-n // row_tile) * row_tile
+    if dp == 1:
+        return jnp.arange(e, dtype=jnp.int32) * rows_per_slot, tiles(e * rows_per_slot)
+    per = num_slots // dp
+    seg = tiles(per * rows_per_slot)
+    shard = jnp.where(live, slots // per, dp)
+    mine = (shard[:, None] == jnp.arange(dp)[None, :]).astype(jnp.int32)        # [E, dp]
+    before = jnp.cumsum(mine, axis=0) - mine           # live entries of each shard before e
+    rank = jnp.take_along_axis(before, jnp.minimum(shard, dp - 1)[:, None], axis=1)[:, 0]
+    first = jnp.where(live, shard * seg + rank * rows_per_slot, dp * seg)
+    return first.astype(jnp.int32), dp * seg
 
 
 def blocks_of(n: int) -> int:

@@ -1,8 +1,9 @@
 """Hypothesis state machine over the host scheduler and block allocator: add / step / abort /
-finish, with preemption forced by a small pool, with and without prefix caching. After every
-rule: each block is free or referenced exactly by the requests holding it, block tables agree
-with the holders, every block a request reads holds exactly the prefix it expects (a shadow of
-the pages' contents is kept), and no request is lost or duplicated."""
+finish, with preemption forced by a small pool, with and without prefix caching, on one data
+shard and on two (a ``ShardedAllocator``: each shard's pages, local ids, its own slots). After
+every rule: each block is free or referenced exactly by the requests holding it, block tables
+agree with the holders, every block a request reads holds exactly the prefix it expects (a shadow
+of the pages' contents is kept, per shard), and no request is lost or duplicated."""
 
 import collections
 
@@ -10,7 +11,7 @@ import numpy as np
 from hypothesis import settings, strategies as st, target
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sfjax.cache import BlockAllocator
+from sfjax.cache import BlockAllocator, ShardedAllocator
 from sfjax.engine.scheduler import Request, Scheduler, Status
 from sfjax.sampling_params import SamplingParams
 
@@ -20,14 +21,18 @@ FAMILIES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 1, 1, 1, 1], [2] * 10]
 
 class SchedulerMachine(RuleBasedStateMachine):
     prefix_caching = False
+    dp, blocks = 1, BLOCKS             # two shards: 14 blocks each, so any request fits in one
 
     def __init__(self):
         super().__init__()
-        self.alloc = BlockAllocator(BLOCKS, prefix_caching=self.prefix_caching)
+        caching = self.prefix_caching
+        self.alloc = (BlockAllocator(self.blocks, prefix_caching=caching) if self.dp == 1
+                      else ShardedAllocator(self.blocks, self.dp, prefix_caching=caching))
         self.tables = np.zeros((SEQS, 16), np.int32)
         self.sched = Scheduler(self.alloc, self.tables, block_size=BLOCK, max_num_seqs=SEQS,
                                max_num_batched_tokens=BUDGET)
-        self.pages = collections.defaultdict(dict)   # block -> offset -> the prefix written there
+        self.pools = self.sched.pools
+        self.pages = collections.defaultdict(dict)   # (shard, block) -> offset -> prefix written
         self.live: dict[str, Request] = {}
         self.done: set[str] = set()
         self.n = 0
@@ -54,8 +59,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(s.request.blocks) * BLOCK >= s.start + s.count
             assert s.start == s.request.num_computed
             tokens = s.request.prompt_token_ids + s.request.output_token_ids
+            shard = self.sched.shard_of(s.request.slot)
             for pos in range(s.start, s.start + s.count):      # the step writes these pages
-                self.pages[s.request.blocks[pos // BLOCK]][pos % BLOCK] = tuple(tokens[:pos + 1])
+                page = (shard, s.request.blocks[pos // BLOCK])
+                self.pages[page][pos % BLOCK] = tuple(tokens[:pos + 1])
             self.sched.set_computed(s.request, s.start + s.count)
         for s in plan:
             req = s.request
@@ -81,22 +88,27 @@ class SchedulerMachine(RuleBasedStateMachine):
     def blocks_are_referenced_by_their_holders_or_free(self):
         holders = collections.Counter()
         for req in self.sched.running + self.sched.waiting:
-            holders.update(req.blocks)
             if req.slot is not None:
+                holders.update((self.sched.shard_of(req.slot), b) for b in req.blocks)
                 assert list(self.tables[req.slot, :len(req.blocks)]) == req.blocks
+            else:
+                assert not req.blocks
         if not self.prefix_caching:
             assert max(holders.values(), default=1) == 1, "a block owned twice"
-        free = self.alloc.free_ids()
-        for b in range(1, BLOCKS):
-            assert self.alloc.refs(b) == holders[b], f"block {b}: references != holders"
-            assert (b in free) == (holders[b] == 0), f"block {b} both free and held, or lost"
+        for d, pool in enumerate(self.pools):
+            free = pool.free_ids()
+            for b in range(1, pool.num_blocks):
+                held = holders[d, b]
+                assert pool.refs(b) == held, f"shard {d} block {b}: references != holders"
+                assert (b in free) == (held == 0), f"shard {d} block {b}: free and held, or lost"
 
     @invariant()
     def every_computed_position_holds_the_expected_prefix(self):
         for req in self.sched.running:
             tokens = req.prompt_token_ids + req.output_token_ids
+            shard = self.sched.shard_of(req.slot)
             for pos in range(req.num_computed):
-                got = self.pages[req.blocks[pos // BLOCK]].get(pos % BLOCK)
+                got = self.pages[shard, req.blocks[pos // BLOCK]].get(pos % BLOCK)
                 assert got == tuple(tokens[:pos + 1]), f"{req.request_id} reads a wrong page at {pos}"
 
     @invariant()
@@ -111,9 +123,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self.step()
         assert not self.live, "a request starved"
-        assert self.alloc.num_free == BLOCKS - 1
+        assert self.alloc.num_free == self.blocks - self.dp
         self.alloc.reset_prefix_cache()
-        assert not self.alloc.cached_ids() and self.alloc.num_free == BLOCKS - 1
+        assert not any(p.cached_ids() for p in self.pools)
+        assert self.alloc.num_free == self.blocks - self.dp
 
 
 class PrefixCachingMachine(SchedulerMachine):
@@ -124,7 +137,14 @@ class PrefixCachingMachine(SchedulerMachine):
         super().teardown()
 
 
+class TwoDataShardsMachine(PrefixCachingMachine):
+    dp, blocks = 2, 28
+
+
 SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 PrefixCachingMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TwoDataShardsMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                                  deadline=None)
 TestScheduler = SchedulerMachine.TestCase
 TestSchedulerWithPrefixCaching = PrefixCachingMachine.TestCase
+TestSchedulerOverTwoDataShards = TwoDataShardsMachine.TestCase

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sfjax import model, sampling, sharding
-from sfjax.cache import KVCache, BlockAllocator, validate_block_size
+from sfjax.cache import KVCache, BlockAllocator, ShardedAllocator, validate_block_size
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
 from sfjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -36,8 +36,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    num_kv_blocks: int | None = None       # None: enough for max_num_seqs full sequences,
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # capped by this budget
+    num_kv_blocks: int | None = None       # None: enough for max_num_seqs full sequences, capped
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # by this many bytes of pages per device
     max_model_len: int | None = None       # None: the model's max_position_embeddings
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -62,20 +62,15 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps must be in [1, 1024], got {self.num_scheduler_steps}")
 
 
+_bucket = speculation.bucket
+
+
 def _padded(lists: list[list], r: int, fill, dtype) -> np.ndarray:
     """[r, bucketed width] array of the lists, padded with ``fill``."""
     out = np.full((r, _bucket(max(map(len, lists), default=1), 4)), fill, dtype)
     for i, x in enumerate(lists):
         out[i, :len(x)] = x
     return out
-
-
-def _bucket(n: int, tile: int) -> int:
-    """Smallest tile * 2**j >= n: few shapes, so few compilations."""
-    b = tile
-    while b < n:
-        b *= 2
-    return b
 
 
 class Engine:
@@ -85,12 +80,15 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), speculative: SpeculativeConfig | None = None,
                  draft: tuple[ModelConfig, Weights] | None = None, mesh=None):
         """``mesh``: a (data, model) ``jax.sharding.Mesh`` (``sharding.make_mesh``) to shard the
-        weights, the KV cache and the steps over; None runs on the default device."""
+        weights, the KV cache and the steps over; None runs on the default device. Over dp data
+        shards each holds max_num_seqs / dp slots and num_kv_blocks / dp pages (sfjax.sharding)."""
         self.cfg = cfg
         if mesh is not None:
             mesh = sharding.as_mesh(mesh)
             sharding.validate(cfg, mesh)
         self.mesh = mesh
+        self.dp = dp = sharding.dp_of(mesh)
+        sharding.validate_slots(config.max_num_seqs, mesh)
         loop = config.layer_loop
         if loop not in ("auto", "scan", "unrolled"):
             raise ValueError(f"layer_loop must be auto, scan or unrolled; got {loop!r}")
@@ -101,13 +99,15 @@ class Engine:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) must be <= the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
-        per_block = KVCache.bytes_per_block(cfg, config.block_size)
+        per_block = KVCache.bytes_per_block(cfg, config.block_size, mesh=mesh)   # on one device
         blocks_per_seq = -(-max_len // config.block_size)
-        num_blocks = config.num_kv_blocks or 1 + min(
-            config.max_num_seqs * blocks_per_seq, max(1, config.kv_cache_bytes // per_block))
+        num_blocks = config.num_kv_blocks or dp * (1 + min(    # each data shard: a null block too
+            config.max_num_seqs // dp * blocks_per_seq, max(1, config.kv_cache_bytes // per_block)))
         self.config = dataclasses.replace(config, max_model_len=max_len, num_kv_blocks=num_blocks)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.allocator = BlockAllocator(num_blocks, prefix_caching=config.enable_prefix_caching)
+        self.allocator = (BlockAllocator(num_blocks, prefix_caching=config.enable_prefix_caching)
+                          if dp == 1 else ShardedAllocator(
+                              num_blocks, dp, prefix_caching=config.enable_prefix_caching))
         self.block_tables = np.zeros((config.max_num_seqs, blocks_per_seq), np.int32)
         self.scheduler = Scheduler(self.allocator, self.block_tables, block_size=config.block_size,
                                    max_num_seqs=config.max_num_seqs,
@@ -123,10 +123,11 @@ class Engine:
         self._rounds_cfg = None
         self._arrivals = 0
         self.stats = {"steps": 0, "host_steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
-        tokens = (num_blocks - 1) * config.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency "
-                    "for %d tokens per request: %.2fx", num_blocks - 1, config.block_size, tokens,
-                    num_blocks * per_block / 2**20, max_len, tokens / max_len)
+        tokens = (num_blocks - dp) * config.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per device%s); maximum "
+                    "concurrency for %d tokens per request: %.2fx", num_blocks - dp,
+                    config.block_size, tokens, num_blocks // dp * per_block / 2**20,
+                    f", {dp} data shards" if dp > 1 else "", max_len, tokens / max_len)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -153,9 +154,10 @@ class Engine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({limit})")
         blocks = self.scheduler.blocks_needed(len(ids) + max_tokens)
-        if blocks > self.config.num_kv_blocks - 1:
-            raise ValueError(f"the request needs {blocks} KV blocks; the cache has only "
-                             f"{self.config.num_kv_blocks - 1}")
+        if blocks > self.config.num_kv_blocks // self.dp - 1:
+            where = "the cache" if self.dp == 1 else "each data shard's cache"
+            raise ValueError(f"the request needs {blocks} KV blocks; {where} has only "
+                             f"{self.config.num_kv_blocks // self.dp - 1}")
         slot = self._strategy_slot(params)
         seed = params.seed
         if seed is None:  # the engine seed and the arrival number, folded on the host
@@ -235,7 +237,7 @@ class Engine:
         spec_k = self._speculating(plan) if self.spec else {}
         if self.spec and (spec_k or self.spec.draft_cfg is not None):
             return self._spec_step(plan, spec_k)
-        batch, meta = self._build_batch(plan)
+        batch, meta, _ = self._build_batch(plan)
         drawn = jax.device_get(self._run_plain(batch))
         for s in plan:
             self.scheduler.set_computed(s.request, s.start + s.count)
@@ -276,23 +278,25 @@ class Engine:
         spec, k1 = self.spec, self.spec.k_max + 1
         order = sorted(spec_k)
         n_slots = self.config.max_num_seqs            # fixed: the composition never changes a shape
-        tokens, positions, slots, verify_row = speculation.layout(plan, spec_k, spec.k_max)
         verify_meta = []
         for r in range(n_slots):
             req = plan[order[r]].request if r < len(order) else None
             verify_meta += [(req, -1, j) for j in range(k1)]
-        batch, meta = self._build_batch(plan, (tokens, positions, slots), verify_meta, set(order), k1,
-                                        min_rows=n_slots * k1)
+        batch, meta, first = self._build_batch(plan, speculation.layout(plan, spec_k, spec.k_max),
+                                               verify_meta, set(order), k1, min_rows=n_slots * k1)
         start = len(meta) - len(verify_meta)
         decode = {i for i, s in enumerate(plan) if self._is_decode(s)}
-        draft = (speculation.draft_rows(plan, decode) if spec.draft_cfg is not None
-                 else ([], [], [], {}))                 # n-gram: no draft model to feed
+        draft, n_draft = ([], [], [], {}), self.config.row_tile   # n-gram: no draft model to feed
+        if spec.draft_cfg is not None:
+            # the draft pass takes the target's row count (padding tiles cost nothing), or the
+            # next bucket when many plain decode rows (two draft rows each) overflow it: few shapes
+            *rows, d_first = speculation.pack(speculation.draft_rows(plan, decode),
+                                              self._shards(plan), self.dp, self.config.row_tile,
+                                              len(batch.tokens))
+            draft, n_draft = (*rows, {i: d_first[i] + 1 for i in decode}), len(rows[0])
         stops = {i: self._stop_rule(plan[i].request) for i in order}
-        # the draft pass takes the target's row count (padding tiles cost nothing), or the next
-        # bucket when many plain decode rows (two draft rows each) overflow it: few shapes
-        n_draft = (_bucket(max(len(draft[0]), len(batch.tokens)), self.config.row_tile)
-                   if draft[0] else self.config.row_tile)
-        sb = speculation.spec_batch(plan, spec_k, verify_row, draft, stops, n_slots, n_draft, start)
+        sb = speculation.spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, stops,
+                                    n_slots, n_draft, start)
         drawn, accepted, out, emitted, drafted = jax.device_get(self._run_spec(batch, sb))
         for i, s in enumerate(plan):
             if i not in spec_k:
@@ -340,9 +344,7 @@ class Engine:
         def upto(req, r):       # the round's K/V writes stay below prompt + max_tokens
             return min(req.num_tokens + r * k1, len(req.prompt_token_ids) + req.max_tokens)
         while r > 1:
-            need = sum(max(0, sched.blocks_needed(upto(s.request, r)) - len(s.request.blocks))
-                       for s in plan)
-            if need <= self.allocator.num_free:
+            if sched.can_grow([(s.request, upto(s.request, r)) for s in plan]):
                 break
             r //= 2
         if r > 1:
@@ -421,20 +423,23 @@ class Engine:
     def shape_buckets(self) -> list[tuple]:
         """Every (kind, N, R, draft rows) a step of this engine can take; prompt-logprob rows
         beyond ``max_num_seqs`` draws, and sampling lists longer than 4 entries (min_tokens stop
-        ids, logit_bias, allowed_token_ids), add shapes not listed here."""
-        c, tile = self.config, self.config.row_tile
+        ids, logit_bias, allowed_token_ids), add shapes not listed here. Over dp data shards N is
+        dp segments of a bucketed length (``speculation.pack``), any shard taking the whole
+        token budget."""
+        c, tile, dp = self.config, self.config.row_tile, self.dp
         span = lambda lo, hi: sorted({_bucket(x, tile) for x in (lo, hi)} |
                                      {b for b in (tile * 2**j for j in range(24))
                                       if _bucket(lo, tile) <= b <= _bucket(hi, tile)})
-        max_draws = c.max_num_seqs
+        max_draws, per_shard = c.max_num_seqs, c.max_num_seqs // dp
         out = []
         if self.spec is None or self.spec.draft_cfg is None:          # plain steps
-            out += [("plain", n, r, 0) for n in span(1, c.max_num_batched_tokens)
-                    for r in span(1, max_draws) if r <= n]
+            out += [("plain", dp * n, r, 0) for n in span(1, c.max_num_batched_tokens)
+                    for r in span(1, max_draws) if r <= _bucket(dp * n, tile)]
         if self.spec is not None:
             k1 = self.spec.k_max + 1
             verify = c.max_num_seqs * k1
-            ns = span(verify, c.max_num_batched_tokens + c.max_num_seqs * self.spec.k_max)
+            ns = [dp * n for n in span(per_shard * k1,
+                                       c.max_num_batched_tokens + per_shard * self.spec.k_max)]
             rs = span(verify, verify + max_draws)
             ds = lambda n: [n, 2 * n] if self.spec.draft_cfg is not None else [tile]
             out += [("spec", n, r, d) for n in ns for r in rs for d in ds(n)]
@@ -451,7 +456,7 @@ class Engine:
         for kind, n, r, d in tqdm(self.shape_buckets(), desc="Compiling shape buckets",
                                   disable=not progress, dynamic_ncols=True):
             if kind == "plain":
-                batch, _ = self._build_batch([], ([], [], []), [(None, -1, 0)] * r, min_rows=n)
+                batch, _, _ = self._build_batch([], [], [(None, -1, 0)] * r, min_rows=n)
                 self._run_plain(batch)
                 continue
             if kind == "rounds":                 # no live slot: the loop ends before a round
@@ -462,7 +467,7 @@ class Engine:
                 continue
             k1 = self.spec.k_max + 1
             tail = [(None, -1, 0)] * r
-            batch, meta = self._build_batch([], ([], [], []), tail, min_rows=n)
+            batch, _, _ = self._build_batch([], [], tail, min_rows=n)
             start = r - self.config.max_num_seqs * k1
             sb = speculation.spec_batch([], {}, {}, ([], [], [], {}), {}, self.config.max_num_seqs,
                                         d, start)
@@ -501,32 +506,38 @@ class Engine:
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def _build_batch(self, plan: list[Scheduled], rows=None, tail: list | None = None,
-                     verify: set[int] = frozenset(), k1: int = 1, min_rows: int = 0) -> tuple[StepBatch, list]:
-        """Packs the plan's rows; returns the batch and per logit row (request, prompt position
-        whose next token's logprob it reports or -1 for a draw, offset of a verify row).
+    def _shards(self, plan: list[Scheduled]) -> list[int]:
+        return [self.scheduler.shard_of(s.request.slot) for s in plan]
 
-        ``rows`` overrides the token layout; the ``tail`` logit rows come last: a round's verify
-        rows, ``k1`` per entry in ``verify`` (slot-major, then padding slots), given as
-        (request, -1, j). Trailing padding costs nothing: whole tiles past the real rows are skipped.
-        At least ``min_rows`` rows are laid out, so a round's shape does not follow its composition.
+    def _build_batch(self, plan: list[Scheduled], rows: list[tuple] | None = None,
+                     tail: list | None = None, verify: set[int] = frozenset(), k1: int = 1,
+                     min_rows: int = 0) -> tuple[StepBatch, list, list[int]]:
+        """Packs the plan's rows by data shard (``speculation.pack``); returns the batch, per
+        logit row (request, prompt position whose next token's logprob it reports or -1 for a
+        draw, offset of a verify row), and each entry's first row.
+
+        ``rows`` overrides each entry's rows (``speculation.layout``); the ``tail`` logit rows
+        come last: a round's verify rows, ``k1`` per entry in ``verify`` (slot-major, then
+        padding slots), given as (request, -1, j). Trailing padding costs nothing: whole tiles
+        past the real rows are skipped. At least ``min_rows`` rows are laid out, so a round's
+        shape does not follow its composition.
         """
         tile = self.config.row_tile
-        tokens, positions, slots = rows if rows is not None else speculation.layout(plan, {}, 0)[:3]
-        logit_rows, verify_rows, row = [], [], 0
+        rows = rows if rows is not None else speculation.layout(plan, {}, 0)
+        tokens, positions, slots, first = speculation.pack(rows, self._shards(plan), self.dp, tile,
+                                                           min_rows)
+        logit_rows, verify_rows = [], []
         for i, s in enumerate(plan):
-            req = s.request
+            req, row = s.request, first[i]
             if i in verify:
                 verify_rows += range(row, row + k1)
-                row += k1
                 continue
             if req.params.prompt_logprobs is not None:
-                first = max(s.start, len(req.prompt_logprobs))
-                for pos in range(first, min(s.start + s.count, len(req.prompt_token_ids) - 1)):
+                start = max(s.start, len(req.prompt_logprobs))
+                for pos in range(start, min(s.start + s.count, len(req.prompt_token_ids) - 1)):
                     logit_rows.append((row + pos - s.start, (req, pos, 0)))
             if s.draws:
                 logit_rows.append((row + s.count - 1, (req, -1, 0)))
-            row += s.count
         tail = tail or []
         all_rows = [r for r, _ in logit_rows] + verify_rows + [0] * (len(tail) - len(verify_rows))
         meta = [m for _, m in logit_rows] + list(tail)
@@ -534,14 +545,12 @@ class Engine:
         r = _bucket(max(len(meta), 1), tile)
         logprobs = any(req is not None and (req.params.logprobs is not None or pos >= 0)
                        for req, pos, _ in meta)
-        n = _bucket(max(len(tokens), min_rows), tile)
         batch = StepBatch(
-            tokens=speculation.pad(tokens, n, 0), positions=speculation.pad(positions, n, -1),
-            slots=speculation.pad(slots, n, -1),
+            tokens=tokens, positions=positions, slots=slots,
             block_tables=self.block_tables.copy(), logit_rows=speculation.pad(all_rows, r, 0),
             num_logit_rows=np.int32(real), with_logprobs=np.bool_(logprobs),
             sampling=self._sampling_batch(meta, r))
-        return batch, meta
+        return batch, meta, first
 
     def _sampling_batch(self, meta: list, r: int) -> sampling.SamplingBatch:
         f32 = lambda v: np.full(r, v, np.float32)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 
-from sfjax.cache import BlockAllocator, hash_blocks
+from sfjax.cache import BlockAllocator, ShardedAllocator, hash_blocks
 from sfjax.sampling_params import SamplingParams
 from sfjax.tokenizer import IncrementalDetokenizer
 
@@ -82,11 +83,23 @@ class Scheduler:
     next token is drawn. Requests asking for prompt logprobs compute their whole prompt.
     ``cache_lag`` holds back registering a block until that many positions past it are computed
     (1 with a draft model, whose cache trails the target's by up to one position).
+
+    With a ``ShardedAllocator`` (data parallelism) the slots are split evenly over its shards: a
+    request's pages, its prefix-cache lookups and any preemption for it stay in its slot's shard.
+    A waiting request goes to the shard with a free slot where it fits that holds the longest
+    cached prefix of it, then the one with the most free blocks, then the lowest.
     """
 
-    def __init__(self, allocator: BlockAllocator, block_tables, *, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, cache_lag: int = 0):
+    def __init__(self, allocator: BlockAllocator | ShardedAllocator, block_tables, *,
+                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 cache_lag: int = 0):
         self.allocator = allocator
+        sharded = isinstance(allocator, ShardedAllocator)
+        self.pools = list(allocator.shards) if sharded else [allocator]
+        if max_num_seqs % len(self.pools):
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) must be divisible by "
+                             f"data_parallel_size ({len(self.pools)})")
+        self.slots_per_shard = max_num_seqs // len(self.pools)
         self.cache_lag = cache_lag
         self.block_tables = block_tables            # numpy int32 [max_num_seqs, max_blocks]
         self.block_size = block_size
@@ -94,14 +107,23 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        per = self.slots_per_shard                  # pop() hands out each shard's low slots first
+        self._free_slots = [list(range((d + 1) * per - 1, d * per - 1, -1))
+                            for d in range(len(self.pools))]
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_free_slot(self) -> bool:
-        return bool(self._free_slots)
+        return any(self._free_slots)
+
+    def shard_of(self, slot: int) -> int:
+        return slot // self.slots_per_shard
+
+    def pool(self, req: Request) -> BlockAllocator:
+        """The allocator of the request's slot's data shard."""
+        return self.pools[self.shard_of(req.slot)]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -113,14 +135,22 @@ class Scheduler:
         """Blocks for positions < ``upto`` if the pool has them, without preempting anyone."""
         return self._grow(req, upto)
 
+    def can_grow(self, targets: list[tuple[Request, int]]) -> bool:
+        """Whether every (request, upto) of ``targets`` can grow at once (``grow``)."""
+        need = collections.Counter()
+        for req, upto in targets:
+            need[self.shard_of(req.slot)] += max(0, self.blocks_needed(upto) - len(req.blocks))
+        return all(n <= self.pools[d].num_free for d, n in need.items())
+
     def _grow(self, req: Request, upto: int) -> bool:
         """Makes ``req`` own blocks for positions < ``upto``; False if the pool is short."""
         need = self.blocks_needed(upto) - len(req.blocks)
         if need <= 0:
             return True
-        if need > self.allocator.num_free:
+        pool = self.pool(req)
+        if need > pool.num_free:
             return False
-        new = self.allocator.allocate(need)
+        new = pool.allocate(need)
         self.block_tables[req.slot, len(req.blocks):len(req.blocks) + need] = new
         req.blocks.extend(new)
         return True
@@ -134,8 +164,9 @@ class Scheduler:
         full = max(n - self.cache_lag, 0) // self.block_size
         if full > before:
             self._hashes(req, full * self.block_size)
+            pool = self.pool(req)
             for i in range(before, full):
-                self.allocator.register(req.blocks[i], req.block_hashes[i])
+                pool.register(req.blocks[i], req.block_hashes[i])
 
     def _hashes(self, req: Request, upto: int) -> list[bytes]:
         if len(req.block_hashes) < upto // self.block_size:
@@ -143,20 +174,21 @@ class Scheduler:
             hash_blocks(tokens, self.block_size, req.block_hashes)
         return req.block_hashes[:upto // self.block_size]
 
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """Cached blocks for the request's longest cached prefix, leaving its last token."""
+    def _cached_prefix(self, req: Request, pool: BlockAllocator) -> list[int]:
+        """Cached blocks in ``pool`` for the request's longest cached prefix, leaving its last
+        token."""
         if not self.allocator.prefix_caching or req.params.prompt_logprobs is not None:
             return []
-        return self.allocator.lookup(self._hashes(req, req.num_tokens - 1))
+        return pool.lookup(self._hashes(req, req.num_tokens - 1))
 
     def release(self, req: Request) -> None:
         """Frees the request's blocks and slot at once (finish, abort, preemption)."""
         if req.blocks:
-            self.allocator.free(req.blocks)
+            self.pool(req).free(req.blocks)
             req.blocks = []
         if req.slot is not None:
             self.block_tables[req.slot] = 0
-            self._free_slots.append(req.slot)
+            self._free_slots[self.shard_of(req.slot)].append(req.slot)
             req.slot = None
         req.num_computed = 0
 
@@ -184,28 +216,29 @@ class Scheduler:
             count = min(req.num_tokens - req.num_computed, budget)
             if count <= 0:
                 continue
+            shard = self.shard_of(req.slot)
             while not self._grow(req, req.num_computed + count):
-                victim = self.running[-1]
+                victim = [r for r in self.running if self.shard_of(r.slot) == shard][-1]
                 self._preempt(victim)
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
                 out.append(Scheduled(req, req.num_computed, count))
                 budget -= count
-        while self.waiting and self._free_slots and budget > 0:
+        while self.waiting and self.has_free_slot() and budget > 0:
             req = self.waiting[0]
-            hit = self._cached_prefix(req)
-            cached = len(hit) * self.block_size
-            count = min(req.num_tokens - cached, budget)
-            need = self.blocks_needed(cached + count) - len(hit)
-            if need + self.allocator.num_evictable(hit) > self.allocator.num_free:
+            placed = self._place(req, budget)
+            if placed is None:
                 break
+            shard, hit, count = placed
+            cached = len(hit) * self.block_size
+            pool = self.pools[shard]
             self.waiting.pop(0)
-            req.slot = self._free_slots.pop()
-            if self.allocator.prefix_caching and req.params.prompt_logprobs is None:
-                self.allocator.query_tokens += req.num_tokens
-                self.allocator.hit_tokens += cached
-            self.allocator.acquire(hit)
+            req.slot = self._free_slots[shard].pop()
+            if pool.prefix_caching and req.params.prompt_logprobs is None:
+                pool.query_tokens += req.num_tokens
+                pool.hit_tokens += cached
+            pool.acquire(hit)
             req.blocks = list(hit)
             self.block_tables[req.slot, :len(hit)] = hit
             req.num_computed = cached
@@ -216,3 +249,20 @@ class Scheduler:
             out.append(Scheduled(req, cached, count, cached))
             budget -= count
         return out
+
+    def _place(self, req: Request, budget: int) -> tuple[int, list[int], int] | None:
+        """(shard, cached blocks, tokens to compute) for admitting ``req``, or None if no shard
+        with a free slot has the blocks (FCFS: then nothing behind it is admitted either)."""
+        best, key = None, None
+        for shard, pool in enumerate(self.pools):
+            if not self._free_slots[shard]:
+                continue
+            hit = self._cached_prefix(req, pool)
+            cached = len(hit) * self.block_size
+            count = min(req.num_tokens - cached, budget)
+            need = self.blocks_needed(cached + count) - len(hit)
+            if need + pool.num_evictable(hit) > pool.num_free:
+                continue
+            if key is None or (len(hit), pool.num_free) > key:
+                best, key = (shard, hit, count), (len(hit), pool.num_free)
+        return best

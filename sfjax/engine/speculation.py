@@ -1,5 +1,5 @@
-"""The host side of speculative decoding: per-row k, the verify and draft row layout, and reading a
-round back (emitted tokens, rollback by length, metrics)."""
+"""The host side of speculative decoding: per-row k, the step's rows (verify and draft rows too)
+laid out by data shard, and reading a round back (emitted tokens, rollback by length, metrics)."""
 
 from __future__ import annotations
 
@@ -110,44 +110,65 @@ class Speculator:
         return max(k, 0)
 
 
-def layout(plan: list[Scheduled], spec_k: dict[int, int], k_max: int):
-    """Rows of the step: each entry's rows in order; a speculating decode entry gets K + 1 rows.
-
-    Returns (rows as (token, position, slot) lists, verify start row per speculating entry index).
-    """
-    tokens, positions, slots, verify_row = [], [], [], {}
+def layout(plan: list[Scheduled], spec_k: dict[int, int], k_max: int) -> list[tuple]:
+    """Each entry's rows of the step as (tokens, positions, slots) lists: its tokens, or K + 1
+    verify rows ``[last token, 0 x K]`` at L-1 .. L-1+K for a speculating decode entry."""
+    out = []
     for i, s in enumerate(plan):
         req = s.request
         if i in spec_k:
-            verify_row[i] = len(tokens)
             length = req.num_tokens
-            tokens += [req.token(length - 1)] + [0] * k_max
-            positions += list(range(length - 1, length + k_max))
-            slots += [req.slot] * (k_max + 1)
+            out.append(([req.token(length - 1)] + [0] * k_max,
+                        list(range(length - 1, length + k_max)), [req.slot] * (k_max + 1)))
         else:
-            tokens += [req.token(j) for j in range(s.start, s.start + s.count)]
-            positions += list(range(s.start, s.start + s.count))
-            slots += [req.slot] * s.count
-    return tokens, positions, slots, verify_row
+            out.append(([req.token(j) for j in range(s.start, s.start + s.count)],
+                        list(range(s.start, s.start + s.count)), [req.slot] * s.count))
+    return out
 
 
-def draft_rows(plan: list[Scheduled], decode: set[int]):
-    """The draft model's first pass: prefill rows as the target's, (L-2, L-1) per decode entry
-    (speculating or not, so its cache stays current)."""
-    tokens, positions, slots, last = [], [], [], {}
+def draft_rows(plan: list[Scheduled], decode: set[int]) -> list[tuple]:
+    """The draft model's first pass, per entry as ``layout``: prefill rows as the target's,
+    (L-2, L-1) per decode entry (speculating or not, so its cache stays current)."""
+    out = []
     for i, s in enumerate(plan):
         req = s.request
         if i in decode:
             length = req.num_tokens
-            tokens += [req.token(length - 2), req.token(length - 1)]
-            positions += [length - 2, length - 1]
-            slots += [req.slot] * 2
-            last[i] = len(tokens) - 1
+            out.append(([req.token(length - 2), req.token(length - 1)], [length - 2, length - 1],
+                        [req.slot] * 2))
         else:
-            tokens += [req.token(j) for j in range(s.start, s.start + s.count)]
-            positions += list(range(s.start, s.start + s.count))
-            slots += [req.slot] * s.count
-    return tokens, positions, slots, last
+            out.append(([req.token(j) for j in range(s.start, s.start + s.count)],
+                        list(range(s.start, s.start + s.count)), [req.slot] * s.count))
+    return out
+
+
+def bucket(n: int, tile: int) -> int:
+    """Smallest tile * 2**j >= n: few shapes, so few compilations."""
+    b = tile
+    while b < n:
+        b *= 2
+    return b
+
+
+def pack(entries: list[tuple], shards: list[int], num_shards: int, tile: int, min_rows: int = 0):
+    """The step's rows laid out by data shard (``sfjax.sharding``): each entry's rows (``layout``)
+    go to its shard's segment in order, and every segment is padded to one length, the busiest
+    shard's bucketed (at least ``min_rows / num_shards``): the shapes stay a small fixed set. With
+    one shard, the entries' rows in order, padded to a bucket of at least ``min_rows``.
+
+    Returns (tokens, positions, slots int32 [num_shards * segment], first row of each entry).
+    """
+    load, offset = [0] * num_shards, []
+    for (rows, _, _), d in zip(entries, shards):
+        offset.append(load[d])
+        load[d] += len(rows)
+    seg = bucket(max(max(load), -(-min_rows // num_shards), 1), tile)
+    n = num_shards * seg
+    tokens, positions, slots = (np.full(n, fill, np.int32) for fill in (0, -1, -1))
+    first = [d * seg + o for d, o in zip(shards, offset)]
+    for (t, p, s), r in zip(entries, first):
+        tokens[r:r + len(t)], positions[r:r + len(t)], slots[r:r + len(t)] = t, p, s
+    return tokens, positions, slots, first
 
 
 def pad(values: list[int], n: int, fill: int) -> np.ndarray:
@@ -158,7 +179,9 @@ def pad(values: list[int], n: int, fill: int) -> np.ndarray:
 
 def spec_batch(plan, spec_k, verify_row, draft, stops, n_slots: int, n_draft: int,
                verify_start: int) -> SpecBatch:
-    """stops: per speculating entry (stop ids, min_left, budget)."""
+    """verify_row: per speculating entry, its first row; draft: the draft rows (tokens,
+    positions, slots, padded to ``n_draft``) and per decode entry its row at L-1; stops: per
+    speculating entry (stop ids, min_left, budget)."""
     order = sorted(spec_k)
     s = n_slots
     slots = pad([plan[i].request.slot for i in order], s, -1)

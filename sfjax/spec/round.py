@@ -9,7 +9,8 @@ what was emitted, and K/V written past it is dead (never attended, overwritten l
 Draft model: its cache uses the target's block tables. Every step feeds it the same prefill rows
 as the target, plus two rows per decode slot (positions L-2 and L-1; re-feeding L-2 rewrites the
 same bits, by row invariance), so after any outcome its cache is valid through L'-3 and the next
-round's first draft step completes it. Then ``lax.scan`` draws d_1 .. d_K one row per slot.
+round's first draft step completes it. Then ``lax.scan`` draws d_1 .. d_K one row per slot (on a
+mesh with dp > 1, those rows placed by data shard, ``sharding.slot_rows``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.sampling import gumbel_from_bits
-from sfjax import model, sampling
+from sfjax import model, sampling, sharding
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.spec import accept, proposers
@@ -74,6 +75,11 @@ def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: Rou
     live = slots >= 0
     h, dcache = model.forward(dw, dcache, spec.draft_tokens, spec.draft_positions, spec.draft_slots,
                               batch.block_tables, dcfg, row_tile, attention=attention, mesh=mesh)
+    spread, gather = lambda x, fill: x, lambda h: h       # one row per slot, in slot order
+    if sharding.dp_of(mesh) > 1:                           # ... or by data shard
+        first, n = sharding.slot_rows(slots, live, batch.block_tables.shape[0], mesh, 1, row_tile)
+        spread = lambda x, fill: jnp.full((n,), fill, x.dtype).at[first].set(x, mode="drop")
+        gather = lambda h: h[jnp.minimum(first, n - 1)]
 
     def one(h_rows, j):
         lg = replicated(model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live), mesh=mesh), mesh)
@@ -89,9 +95,10 @@ def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: Rou
     def step(carry, j):
         d_prev, dcache = carry
         pos = jnp.where(live & (j < k), length - 1 + j, -1)
-        h, dcache = model.forward(dw, dcache, d_prev, pos, jnp.where(pos >= 0, slots, -1),
-                                  batch.block_tables, dcfg, row_tile, attention=attention, mesh=mesh)
-        d, logq = one(h, j)
+        h, dcache = model.forward(dw, dcache, spread(d_prev, 0), spread(pos, -1),
+                                  spread(jnp.where(pos >= 0, slots, -1), -1), batch.block_tables,
+                                  dcfg, row_tile, attention=attention, mesh=mesh)
+        d, logq = one(gather(h), j)
         return (d, dcache), (d, logq)
 
     (_, dcache), (ds, qs) = lax.scan(step, (d0, dcache), jnp.arange(1, rc.k_max))

@@ -1,7 +1,8 @@
 """Sharded engines give the single-device tokens, token for token (greedy and seeded sampling,
 with and without speculation); the sharded forward gives the single-device bits (the reference
 attention and the Pallas kernel, interpreted, inside shard_map); the weights and KV cache really
-are sharded; bad meshes and checkpoints are refused naming the mismatch."""
+are sharded (the cache's pages over data); bad meshes and checkpoints are refused naming the
+mismatch."""
 
 import json
 import shutil
@@ -13,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sfjax import LLM, SamplingParams, model, sharding, toy
+from sfjax import functional as F
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.weights import load_hf
@@ -44,7 +46,8 @@ def test_sharded_equals_one_device(engines, reference, tp, dp):
     assert _ids(engines(tp, dp)) == reference
 
 
-@pytest.mark.parametrize("tp, dp, draft_tp", [(tp, dp, None) for tp, dp in MESHES] + [(4, 1, 1)])
+@pytest.mark.parametrize("tp, dp, draft_tp", [(tp, dp, None) for tp, dp in MESHES] + [(4, 1, 1),
+                                                                                    (4, 2, 1)])
 def test_speculation_sharded_equals_one_device(engines, reference, tp, dp, draft_tp):
     llm = engines(tp, dp, spec=True, draft_tp=draft_tp)       # path-exact: plain decoding's tokens
     assert _ids(llm) == reference
@@ -54,16 +57,21 @@ def test_speculation_sharded_equals_one_device(engines, reference, tp, dp, draft
 @pytest.fixture(scope="module")
 def forward(folder):
     """``forward(mesh, attention)``: (hidden, K pages, V pages, logits) of one ragged prefill of two
-    sequences (9 and 5 tokens, two padding rows), as host arrays."""
+    sequences (9 and 5 tokens), as host arrays. The rows are laid out by data shard for dp 2
+    (slot 0's in rows 0-15, slot 1's in 16-31, the rest padding), and the pages are blocks 1, 2
+    and 4, 5 of 6: over two data shards, local pages 1, 2 of each (the null blocks, which padding
+    rows write, are left out: shard 1 has its own)."""
     cfg = ModelConfig.from_folder(folder)
     weights = load_hf(folder, cfg)
     rng = np.random.default_rng(1)
-    tokens = jnp.asarray(rng.integers(2, 512, 16), jnp.int32)
-    positions = jnp.asarray(np.r_[np.arange(9), np.arange(5), -1, -1], jnp.int32)
-    slots = jnp.asarray(np.r_[np.zeros(9), np.ones(5), -1, -1], jnp.int32)
-    tables = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+    tokens = jnp.asarray(rng.integers(2, 512, 32), jnp.int32)
+    pad = lambda n: np.full(n, -1)
+    positions = jnp.asarray(np.r_[np.arange(9), pad(7), np.arange(5), pad(11)], jnp.int32)
+    slots = jnp.asarray(np.r_[np.zeros(9), pad(7), np.ones(5), pad(11)], jnp.int32)
+    tables = {1: jnp.asarray([[1, 2], [4, 5]], jnp.int32),           # by dp: global, local ids
+              2: jnp.asarray([[1, 2], [1, 2]], jnp.int32)}
 
-    def run(w, cache, *, mesh, attention):
+    def run(w, cache, tables, *, mesh, attention):
         h, cache = model.forward(w, cache, tokens, positions, slots, tables, cfg, attention=attention,
                                  mesh=mesh)
         return h, cache.k, cache.v, model.logits(w, h, cfg, mesh=mesh)
@@ -71,9 +79,11 @@ def forward(folder):
     run = jax.jit(run, static_argnames=("mesh", "attention"))
 
     def one(mesh=None, attention="reference"):
-        out = run(model.place_weights(weights, cfg, mesh, split=True),
-                  KVCache.zeros(cfg, 5, 8, mesh=mesh), mesh=mesh, attention=attention)
-        return [np.asarray(x) for x in out]
+        h, k, v, lg = run(model.place_weights(weights, cfg, mesh, split=True),
+                          KVCache.zeros(cfg, 6, 8, mesh=mesh), tables[sharding.dp_of(mesh)],
+                          mesh=mesh, attention=attention)
+        pages = [1, 2, 4, 5]
+        return [np.asarray(h), np.asarray(k)[:, pages], np.asarray(v)[:, pages], np.asarray(lg)]
 
     return one
 
@@ -109,6 +119,41 @@ def test_weights_and_cache_are_sharded(engines, tp, dp):
     k = eng.state.cache.k
     heads = {s.data.shape[3] for s in k.addressable_shards}
     assert heads == ({4 // tp} if kv_split else {4}) and len(k.sharding.device_set) == tp * dp
+    _assert_pages_over_data(k, eng.mesh)
+
+
+def _assert_pages_over_data(cache, mesh):
+    """Each device holds num_blocks / dp pages: those of its own data shard."""
+    dp = mesh.shape["data"]
+    per = cache.shape[1] // dp
+    assert cache.shape[1] % dp == 0
+    shard_of = {dev: d for d in range(dp) for dev in mesh.devices[d].reshape(-1)}
+    for s in cache.addressable_shards:
+        d = shard_of[s.device]
+        assert s.data.shape[1] == per
+        assert s.index[1] == (slice(d * per, (d + 1) * per) if dp > 1 else slice(None))
+
+
+@pytest.mark.parametrize("draft_tp", [None, 1])
+def test_the_draft_cache_is_sharded_over_data_too(engines, draft_tp):
+    eng = engines(4, 2, spec=True, draft_tp=draft_tp).engine
+    dk = eng.spec.draft_cache.k
+    assert dk.shape[1] == eng.state.cache.k.shape[1] == eng.config.num_kv_blocks
+    _assert_pages_over_data(dk, eng.spec.mesh)
+    heads = {s.data.shape[3] for s in dk.addressable_shards}
+    assert heads == ({1} if draft_tp is None else {4})            # 4 KV heads over model 4 or 1
+
+
+def test_functional_generate_over_data_shards(folder, reference):
+    """``sfjax.functional`` on a (2, 2) mesh: its own cache, pages over data, rows by shard."""
+    cfg = F.Config(ModelConfig.from_folder(folder), GEOMETRY["max_model_len"],
+                   block_size=GEOMETRY["block_size"], mesh=sharding.make_mesh(2, 2))
+    prompts, params = _requests()
+    ids, lens = F.pad_prompts([p["prompt_token_ids"] for p in prompts])
+    sp = F.Sampling.from_params(params, eos_token_ids=cfg.model.eos_token_ids)
+    run = jax.jit(lambda w, i, n, s: F.generate(w, i, n, s, cfg, width=8).token_ids)
+    tokens = jax.device_get(run(load_hf(folder, cfg.model), ids, lens, sp))
+    assert [t[t >= 0].tolist() for t in tokens] == reference
 
 
 def test_a_draft_with_a_smaller_tensor_parallel_size(engines):
