@@ -45,35 +45,22 @@ def _head(q, head, positions, slots, *, k_cache, v_cache, layer, block_tables, s
     tables = block_tables[jnp.maximum(slots, 0)]                      # [T, max_blocks]
     q = q.astype(jnp.float32)
     n_chunks = (jnp.max(positions) + KEY_CHUNK) // KEY_CHUNK           # 0 when every row is padding
-    n_rows = jnp.max(jnp.where(positions >= 0, jnp.arange(1, t + 1), 0))   # up to the last valid
 
-    def row_keys(table, kpos, cache):
-        """[C, D] the chunk's keys (or values) of this head for one row's page table."""
+    def keys(cache, kpos):
+        """[T, C, D] the chunk's keys (or values) of this head, from each row's pages."""
         if KEY_CHUNK % block_size == 0:      # whole pages: one gather of contiguous blocks
-            pages = jnp.take(table, kpos[::block_size] // block_size, mode="clip")       # [P]
-            return cache[layer, pages, :, head].reshape(KEY_CHUNK, d)
-        page = jnp.take(table, kpos // block_size, mode="clip")                         # [C]
-        return cache[layer, page, kpos % block_size, head]
-
-    def keys(kpos):
-        """([T, C, D], [T, C, D]) the chunk's keys and values, gathered row by row up to the
-        tile's last valid row (XLA:CPU's gather costs by the elements it moves, and a decode tile
-        is mostly padding); rows past it stay zero and are masked."""
-        def row(r, kv):
-            return tuple(lax.dynamic_update_slice_in_dim(buf, row_keys(tables[r], kpos, c)[None],
-                                                         r, 0)
-                         for buf, c in zip(kv, (k_cache, v_cache)))
-        zero = jnp.zeros((t, KEY_CHUNK, d), k_cache.dtype)
-        return lax.fori_loop(0, n_rows, row, (zero, zero))
+            pages = jnp.take(tables, kpos[::block_size] // block_size, axis=1, mode="clip")  # [T, P]
+            return cache[layer, pages, :, head].reshape(t, KEY_CHUNK, d)
+        page = jnp.take(tables, kpos // block_size, axis=1, mode="clip")    # [T, C]
+        return cache[layer, page, jnp.broadcast_to(kpos % block_size, page.shape), head]
 
     def body(c, carry):
         m, l, acc = carry
         kpos = c * KEY_CHUNK + jnp.arange(KEY_CHUNK)                   # [C]
-        k, v = keys(kpos)                                              # [T, C, D] each
-        k = k.astype(jnp.float32)
+        k = keys(k_cache, kpos).astype(jnp.float32)                    # [T, C, D]
         valid = kpos[None, :] <= positions[:, None]                    # [T, C]
         # masked keys must not reach the output even as NaN (0 * NaN is NaN): zero their V
-        v = jnp.where(valid[..., None], v.astype(jnp.float32), 0.0)
+        v = jnp.where(valid[..., None], keys(v_cache, kpos).astype(jnp.float32), 0.0)
         s = jnp.einsum("tgd,tcd->tgc", q, k) * sm_scale
         s = jnp.where(valid[:, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
