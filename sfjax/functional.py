@@ -353,7 +353,7 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     dcache = st.draft_cache
     if cfg.draft is not None:   # the draft's cache gets the same prompt rows
         _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables, cfg.draft,
-                                  cfg.row_tile, mesh=cfg.draft_mesh)
+                                  cfg.row_tile, attention=cfg.attention, mesh=cfg.draft_mesh)
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
     one = live.astype(jnp.int32)
     return _commit(st, rows, live, drawn.tokens[:s, None], one, zeros_b, zeros_b, dev.history)
