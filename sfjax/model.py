@@ -5,7 +5,7 @@ verify tokens of many sequences alike, each row with its slot and position. Ever
 per fixed tile of ``row_tile`` rows (``per_tile``), so a row's bits never depend on N or on the
 other rows: XLA's GEMMs pick their code path by M, and a plain ``x @ W`` is not batch-invariant
 (measured on XLA:CPU: M = 1 and M = 8 differ by 1.7e-6). Attention is row-invariant by
-construction (pallas_kernels/paged_attention.py).
+construction (pallas_kernels/paged_attention.py), row by row.
 """
 
 from __future__ import annotations
@@ -187,12 +187,12 @@ def cache_slots(block_tables, slots, positions, block_size):
     return jnp.where(pad, 0, page), jnp.where(pad, 0, pos % block_size)
 
 
-def _attention(q, kc, vc, i, block_tables, slots, positions, cfg, row_tile, attention, sp: _Split):
+def _attention(q, kc, vc, i, block_tables, slots, positions, cfg, attention, sp: _Split):
     """This shard's heads. With the KV cache replicated (kv_heads < tp) the shard's query heads are
     placed among zeros for all heads, so attention runs with the single-device shapes."""
     sm_scale = float(cfg.head_dim) ** -0.5
     run = lambda q: paged_attention(q, kc, vc, i, block_tables, slots, positions, sm_scale=sm_scale,
-                                    row_tile=row_tile, impl=attention)
+                                    impl=attention)
     if not sp.kv_replicated:
         return run(q)
     h = q.shape[1]
@@ -219,7 +219,7 @@ def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_t
         q, k, v = tiled(functools.partial(_qkv, lw=lw, cfg=cfg, inv_freq=inv_freq), x, positions)
         kc = kc.at[i, page, off].set(k.astype(kc.dtype))
         vc = vc.at[i, page, off].set(v.astype(vc.dtype))
-        attn = _attention(q, kc, vc, i, block_tables, slots, positions, cfg, row_tile, attention, sp)
+        attn = _attention(q, kc, vc, i, block_tables, slots, positions, cfg, attention, sp)
         attn = sp.columns(attn, 1).astype(x.dtype)                        # [N, heads, D]
         delta = sp.columns(tiled(lambda a: matmul(a.reshape(a.shape[0], -1), lw["wo"]), attn), 1)
         x, act = tiled(functools.partial(_mlp_in, lw=lw, cfg=cfg), x, delta)
