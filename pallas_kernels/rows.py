@@ -10,6 +10,12 @@ shape. ``per_tile`` makes that so:
 - the tile buffers carry one spare tile, so a one-tile buffer's dynamic slice is never proven
   loop-invariant and hoisted out of the loop.
 The runtime count also skips tiles that are all padding.
+
+``per_tile_sized`` runs a step whose valid rows fit one smaller tile in that tile instead: a decode
+row of batch 1 in a tile of 2 rows costs a quarter of the GEMM work of a tile of 8. That keeps a
+row's bits only where the smaller tile's compiled body computes the same bits as ``row_tile``'s,
+which is a property of the backend's GEMM library, not of XLA's contract: ``sfjax.model``
+certifies it on the model before using it (``certify_row_tiles``).
 """
 
 from __future__ import annotations
@@ -46,3 +52,22 @@ def num_tiles_of(valid_rows, row_tile: int):
     """Tiles up to the last valid row: ceil((last valid index + 1) / row_tile), traced int32."""
     last = jnp.max(jnp.where(valid_rows, jnp.arange(1, valid_rows.shape[0] + 1), 0))
     return (last + row_tile - 1) // row_tile
+
+
+def per_tile_sized(fn, row_tile: int, small_tiles: tuple[int, ...], valid_rows, *xs):
+    """``per_tile``, but when every valid row falls in the first t rows for a t in ``small_tiles``
+    (the smallest such), one tile of t rows instead (chosen at run time). Rows of skipped tiles
+    come out zero; with no valid row nothing runs.
+
+    small_tiles: tile sizes below ``row_tile`` that divide it, certified to give ``fn``'s bits of
+    a ``row_tile`` tile row for row (``sfjax.model.certify_row_tiles``); () is ``per_tile``.
+    """
+    n = jax.tree.leaves(xs)[0].shape[0]
+    small = sorted(t for t in set(small_tiles) if t < row_tile and row_tile % t == 0)
+    last = jnp.max(jnp.where(valid_rows, jnp.arange(1, valid_rows.shape[0] + 1), 0))
+    whole = lambda xs: per_tile(fn, row_tile, (last + row_tile - 1) // row_tile, *xs)
+    if not small or n % row_tile:
+        return whole(xs)
+    branches = [lambda xs, t=t: per_tile(fn, t, jnp.minimum(last, 1), *xs) for t in small]
+    index = sum((last > t).astype(jnp.int32) for t in small)
+    return lax.switch(index, branches + [whole], xs)

@@ -23,7 +23,8 @@ def _llm(args, default_spec: dict | None = None):
                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=not args.no_prefix_caching,
-               num_scheduler_steps=args.num_scheduler_steps, speculative_config=spec)
+               num_scheduler_steps=args.num_scheduler_steps, speculative_config=spec,
+               small_row_tiles=not args.no_small_row_tiles)
 
 
 def _params(args, **over):
@@ -166,6 +167,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="decode rounds per host call while every request decodes (1..1024)")
+    p.add_argument("--no-small-row-tiles", action="store_true",
+                   help="run every step in tiles of 8 rows, also where a tile of 2 or 4 is "
+                        "certified to keep the bits (CPU)")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": "path/to/draft", '

@@ -39,7 +39,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None, seed: int = 0, row_tile: int = 8,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto",
                  attention: str = "auto", enable_prefix_caching: bool = True,
-                 num_scheduler_steps: int = 8,
+                 num_scheduler_steps: int = 8, small_row_tiles: bool = True,
                  speculative_config: dict | SpeculativeConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
         if model is None:
@@ -66,7 +66,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
             seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler,
             attention=attention, enable_prefix_caching=enable_prefix_caching,
-            num_scheduler_steps=num_scheduler_steps)
+            num_scheduler_steps=num_scheduler_steps, small_row_tiles=small_row_tiles)
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config else None
         draft = None
         if spec is not None and spec.method == "draft_model":

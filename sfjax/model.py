@@ -15,11 +15,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention import paged_attention
-from pallas_kernels.rows import num_tiles_of, per_tile
+from pallas_kernels.rows import per_tile_sized
 from sfjax.cache import KVCache
 from sfjax import sharding
 from sfjax.config import ModelConfig, rope_frequencies
@@ -151,6 +152,11 @@ class _Split:
         return jnp.where(mine, slots, -1)
 
 
+def _small_tiles(cfg: ModelConfig, sp: _Split) -> tuple[int, ...]:
+    """The certified smaller row tiles, on one device only (a mesh's bodies are not certified)."""
+    return cfg.small_row_tiles if sp == _Split() else ()
+
+
 def _embed(embed, tokens, sp: _Split):
     """Embedding rows; with the vocabulary sharded, each shard looks up its own ids and the owner's
     row is selected from the gathered lookups (a selection, so the bits are the table's)."""
@@ -209,10 +215,9 @@ def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_t
     are its own slots' (``sharding.slot_rows``), so it writes and reads only its own pages."""
     inv_freq = rope_frequencies(cfg)
     slots = sp.own_slots(slots, block_tables.shape[0])
-    tiles = num_tiles_of(positions >= 0, row_tile)
     x = _embed(weights.embed, tokens, sp)
     page, off = cache_slots(block_tables, slots, positions, cache.k.shape[2])
-    tiled = lambda fn, *xs: per_tile(fn, row_tile, tiles, *xs)
+    tiled = lambda fn, *xs: per_tile_sized(fn, row_tile, _small_tiles(cfg, sp), positions >= 0, *xs)
 
     def layer(carry, lw, i):
         x, kc, vc = carry
@@ -295,7 +300,7 @@ def _logits(weights: Weights, hidden, num_rows, *, cfg: ModelConfig, row_tile: i
         return matmul(h, weights.lm_head, jnp.float32)      # a tied head is embed.T (block_weights)
 
     rows = first + jnp.arange(n) < num_rows
-    out = per_tile(fn, row_tile, num_tiles_of(rows, row_tile), hidden)
+    out = per_tile_sized(fn, row_tile, _small_tiles(cfg, sp), rows, hidden)
     return sp.columns(out, 1) if sp.vocab_sharded else out
 
 
@@ -317,3 +322,64 @@ def logits(weights: Weights, hidden, cfg: ModelConfig, row_tile: int = 8, num_ro
                              out_specs=P(sharding.DATA))(head, jnp.pad(hidden, ((0, m - n), (0, 0))),
                                                          num_rows)
     return out[:n]
+
+
+_CERTIFIED: dict = {}
+SMALL_ROW_TILES = (2, 4)
+
+
+def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
+                      candidates: tuple[int, ...] = SMALL_ROW_TILES, *,
+                      attention: str = "auto") -> tuple[int, ...]:
+    """The tiles of ``candidates`` (below ``row_tile``, dividing it) that give, row for row, the
+    bits of ``row_tile`` tiles: forward (hidden states and the K/V written) and logits of a probe
+    step run both ways on this backend, compared bitwise. One device, no mesh.
+
+    A GEMM library picks its kernels by M, so this is the library's property, not XLA's
+    contract: XLA:CPU's (YNNPACK) computes M = 2, 4 and 8 with the same per-row arithmetic and
+    M = 1 and 16 with other bits (measured on the demo model). The answer depends on shapes only,
+    so it is kept per (model shape, row_tile, backend) for the process.
+    """
+    cands = tuple(sorted(t for t in set(candidates) if t < row_tile and row_tile % t == 0))
+    base = dataclasses.replace(cfg, small_row_tiles=())
+    key = (base, row_tile, cands, attention, jax.default_backend(),
+           isinstance(weights.wq, (tuple, list)),
+           tuple(str(x.dtype) for x in jax.tree.leaves(weights)))
+    if key not in _CERTIFIED:
+        _CERTIFIED[key] = _certify(weights, base, row_tile, cands, attention) if cands else ()
+    return _CERTIFIED[key]
+
+
+def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention: str):
+    n, block_size = row_tile, 16
+    blocks = -(-n // block_size) + 1                   # and the null block
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, n), jnp.int32)
+    tables = jnp.arange(1, blocks, dtype=jnp.int32)[None]
+    cache = KVCache.zeros(cfg, blocks, block_size)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def probe(c, m):                                   # rows 0..m-1 of slot 0 valid
+        positions = jnp.where(jnp.arange(n) < m, jnp.arange(n), -1)
+        hidden, kv = forward(weights, cache, tokens, positions, jnp.where(positions >= 0, 0, -1),
+                             tables, c, row_tile, attention=attention)
+        return logits(weights, hidden, c, row_tile, num_rows=m), hidden, kv.k[:, 1:], kv.v[:, 1:]
+
+    small = dataclasses.replace(cfg, small_row_tiles=cands)
+
+    def same(t):
+        (la, ha, ka, va), (lb, hb, kb, vb) = probe(cfg, t), probe(small, t)
+        return all(bool((x == y).all()) for x, y in
+                   [(la[:t], lb[:t]), (ha[:t], hb[:t]), (ka, kb), (va, vb)])
+    return tuple(t for t in cands if same(t))
+
+
+def with_certified_tiles(weights: Weights, cfg: ModelConfig, row_tile: int, *, attention: str,
+                         mesh=None, enabled: bool = True) -> ModelConfig:
+    """``cfg`` with the small row tiles this backend certifies (``certify_row_tiles``): on one CPU
+    device only (a mesh's sharded bodies are not probed; on accelerators a step's few rows are
+    not what a decode step costs)."""
+    if not enabled or mesh is not None or jax.default_backend() != "cpu":
+        return dataclasses.replace(cfg, small_row_tiles=())
+    return dataclasses.replace(cfg, small_row_tiles=certify_row_tiles(
+        weights, cfg, row_tile, attention=attention))

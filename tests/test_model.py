@@ -1,6 +1,7 @@
 """Row invariance of the whole forward (DESIGN §1.2): a row's logits are the same bits whatever
 the step's shape, the rows around it, its tile position, or how its tokens were chunked."""
 
+import dataclasses
 import functools
 
 import jax
@@ -21,14 +22,14 @@ def _run(w, cache, tokens, positions, slots, tables, cfg):
     return model.logits(w, h, cfg, 8), cache
 
 
-def _call(w, cache, rows, tables, n):
+def _call(w, cache, rows, tables, n, cfg=CFG):
     """rows: list of (token, position, slot), padded to n rows."""
     t = np.zeros(n, np.int32)
     p = np.full(n, -1, np.int32)
     s = np.full(n, -1, np.int32)
     for i, (tok, pos, slot) in enumerate(rows):
         t[i], p[i], s[i] = tok, pos, slot
-    return _run(w, cache, t, p, s, tables, CFG)
+    return _run(w, cache, t, p, s, tables, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +77,38 @@ def test_stale_kv_past_a_rows_position_is_invisible(setup):
     _, dirty = _call(w, dirty, [(7, i, 0) for i in range(40)], tables, 40)   # junk everywhere
     got, _ = _call(w, dirty, [(t, i, 0) for i, t in enumerate(seq)], tables, 24)
     assert (np.asarray(got)[:20] == np.asarray(ref)[:20]).all()
+
+
+def test_certified_small_tiles_keep_every_rows_bits(setup):
+    """A step whose rows fit a tile of 2 or 4 runs in it where that is certified
+    (``model.certify_row_tiles``): one sequence decoded alone (a tile of 2), then by three slots
+    at once (a tile of 4), gives the bits of its prefill in tiles of 8."""
+    w, tables = setup
+    tiles = model.certify_row_tiles(w, CFG, 8, (1, 2, 4))
+    assert set(tiles) <= {1, 2, 4}
+    assert tiles, "no tile below 8 keeps the bits on this backend: decode at batch 1 runs in 8"
+    small = dataclasses.replace(CFG, small_row_tiles=tiles)
+    seq = np.random.default_rng(2).integers(0, CFG.vocab_size, 30)
+    ref, _ = _call(w, KVCache.zeros(CFG, 8 * MAX_BLOCKS + 1, BS),
+                   [(t, i, 0) for i, t in enumerate(seq)], tables, 32)
+    ref = np.asarray(ref)
+    cache = KVCache.zeros(CFG, 8 * MAX_BLOCKS + 1, BS)
+    for i, tok in enumerate(seq):
+        rows = [(tok, i, 0)] if i < 15 else [(tok, i, s) for s in (0, 1, 2)]
+        if i == 15:                         # slots 1 and 2 catch up to slot 0 in one step
+            _, cache = _call(w, cache, [(t, j, s) for s in (1, 2) for j, t in enumerate(seq[:15])],
+                             tables, 32, small)
+        logits, cache = _call(w, cache, rows, tables, 8, small)
+        for r in range(len(rows)):
+            assert (np.asarray(logits)[r] == ref[i]).all(), f"token {i}, row {r} of {len(rows)}"
+
+
+def test_per_tile_sized_picks_the_smallest_tile_that_holds_the_rows():
+    from pallas_kernels.rows import per_tile_sized
+    x = jnp.ones((16, 3))
+    f = jax.jit(lambda valid: per_tile_sized(lambda t: t * t.shape[0], 8, (2, 4), valid, x))
+    for last, tile in [(1, 2), (2, 2), (3, 4), (4, 4), (5, 8), (16, 8)]:
+        out = np.asarray(f(jnp.arange(16) < last))
+        done = -(-last // tile) * tile
+        assert (out[:done] == tile).all() and (out[done:] == 0).all(), (last, tile)
+    assert (np.asarray(f(jnp.zeros(16, bool))) == 0).all()          # nothing valid: nothing runs

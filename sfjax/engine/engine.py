@@ -47,6 +47,9 @@ class EngineConfig:
     layer_loop: str = "auto"               # "scan" (stacked) | "unrolled" | "auto": unrolled on CPU
     enable_prefix_caching: bool = True     # share full KV blocks across requests by content hash
     num_scheduler_steps: int = 8           # decode rounds per host call when every request decodes
+    # CPU, one device: a step whose valid rows fit a tile of 2 or 4 runs in that tile, where it is
+    # certified to keep row_tile's bits (model.certify_row_tiles)
+    small_row_tiles: bool = True
     seed: int = 0
 
     def __post_init__(self):
@@ -94,6 +97,10 @@ class Engine:
             raise ValueError(f"layer_loop must be auto, scan or unrolled; got {loop!r}")
         self._split = loop == "unrolled" or (loop == "auto" and jax.default_backend() == "cpu")
         self.weights = model.place_weights(weights, cfg, mesh, self._split)
+        tiles = lambda c, w: model.with_certified_tiles(w, c, config.row_tile, mesh=mesh,
+                                                        attention=config.attention,
+                                                        enabled=config.small_row_tiles)
+        self.cfg = cfg = tiles(cfg, self.weights)
         self.tokenizer = tokenizer
         max_len = config.max_model_len or cfg.max_position_embeddings
         if max_len > cfg.max_position_embeddings:
@@ -118,7 +125,7 @@ class Engine:
             history=sharding.zeros((config.max_num_seqs, max_len), jnp.int32, P(), mesh))
         self.registry = Registry()
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
-                                self.registry, mesh, self._split) if speculative else None)
+                                self.registry, mesh, self._split, tiles) if speculative else None)
         self.requests: dict[str, Request] = {}
         self._rounds_cfg = None
         self._arrivals = 0

@@ -58,7 +58,9 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, cfg: ModelConfig, max_model_len: int,
                  num_blocks: int, block_size: int, draft: tuple[ModelConfig, Weights] | None = None,
-                 registry: Registry | None = None, mesh=None, split: bool = False):
+                 registry: Registry | None = None, mesh=None, split: bool = False, tiles=None):
+        """``tiles``: (cfg, placed weights) -> cfg with its certified small row tiles (the
+        engine's ``model.with_certified_tiles``), for the draft."""
         self.config = config
         self.k_max = config.num_speculative_tokens
         self.draft_cfg, self.draft_weights = draft if draft else (None, None)
@@ -90,6 +92,8 @@ class Speculator:
         if self.draft_cfg is not None:
             self.draft_weights = model.place_weights(self.draft_weights, self.draft_cfg, self.mesh,
                                                      split)
+            if tiles is not None and self.mesh is None:
+                self.draft_cfg = tiles(self.draft_cfg, self.draft_weights)
         self.draft_cache = (KVCache.zeros(self.draft_cfg, num_blocks, block_size, mesh=self.mesh)
                             if self.draft_cfg is not None else None)
         self.metrics = SpecMetrics()
