@@ -45,11 +45,16 @@ def _row(q, position, table, *, k_cache, v_cache, layer, sm_scale):
     block_size = k_cache.shape[2]
     pages_per_chunk = max(REFERENCE_CHUNK // block_size, 1)
     chunk_len = pages_per_chunk * block_size
-    q = q.astype(jnp.float32)
+    # XLA drops a dot's batch dimension of size 1 and compiles a plain dot, with other bits: a
+    # tensor-parallel shard holding one KV head computes it beside a zero head
+    heads = max(kvh, 2)
+    widen = lambda x: x if kvh == heads else jnp.concatenate([x, jnp.zeros_like(x)])
+    q = widen(q.astype(jnp.float32))
 
     def keys(cache, pages):
-        """[KVH, C, D] the chunk's keys (or values): whole pages, one gather."""
-        return cache[layer, pages].reshape(chunk_len, kvh, d).astype(jnp.float32).transpose(1, 0, 2)
+        """[heads, C, D] the chunk's keys (or values): whole pages, one gather."""
+        return widen(cache[layer, pages].reshape(chunk_len, kvh, d).astype(jnp.float32)
+                     .transpose(1, 0, 2))
 
     def body(c, carry):
         m, l, acc = carry
@@ -69,11 +74,11 @@ def _row(q, position, table, *, k_cache, v_cache, layer, sm_scale):
         acc = alpha[..., None] * acc + jnp.einsum("hgc,hcd->hgd", p, v)
         return m_new, l, acc
 
-    init = (jnp.full((kvh, g), -jnp.inf, jnp.float32), jnp.zeros((kvh, g), jnp.float32),
-            jnp.zeros((kvh, g, d), jnp.float32))
+    init = (jnp.full((heads, g), -jnp.inf, jnp.float32), jnp.zeros((heads, g), jnp.float32),
+            jnp.zeros((heads, g, d), jnp.float32))
     n_chunks = jnp.where(position >= 0, position // chunk_len + 1, 0)
     _, l, acc = lax.fori_loop(0, n_chunks, body, init)
-    return acc / jnp.where(l == 0, 1.0, l)[..., None]
+    return (acc / jnp.where(l == 0, 1.0, l)[..., None])[:kvh]
 
 
 def paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots, positions, *,
@@ -81,12 +86,12 @@ def paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots, p
     """Pure-jnp paged attention, row-invariant: one row at a time.
 
     Rows run in a loop up to the last valid one (a runtime trip count, so the body is compiled
-    once whatever N is); a row reads only its own pages, ``REFERENCE_CHUNK`` keys per online-softmax
-    step, all KV heads in one batched dot (a head's bits do not depend on how many heads the
-    shard holds: the heads are the dot's batch). On XLA:CPU a decode row costs what its own keys
-    cost: the padding rows of a tile are never read (measured on the demo model, one decode row:
-    65 us per token for 4 layers, where tiles of 8 rows looped over heads and 64-key chunks took
-    329 us).
+    once whatever N is); a row reads only its own pages, ``REFERENCE_CHUNK`` keys per
+    online-softmax step, all KV heads in one batched dot (a head's bits do not depend on how many
+    heads the shard holds: the heads are the dot's batch, never of size 1). On XLA:CPU a decode
+    row costs what its own keys cost: the padding rows of a tile are never read (measured on the
+    demo model, one decode row: 65 us per token for 4 layers, where tiles of 8 rows looped over
+    heads and 64-key chunks took 329 us).
 
     Args:
       q: [N, heads, head_dim] queries.
@@ -104,6 +109,7 @@ def paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots, p
     n, h, d = q.shape
     kvh = k_cache.shape[3]
     q = q.reshape(n, kvh, h // kvh, d)
+
     row = functools.partial(_row, k_cache=k_cache, v_cache=v_cache, layer=layer,
                             sm_scale=sm_scale)
     last = jnp.max(jnp.where(positions >= 0, jnp.arange(1, n + 1), 0))

@@ -55,9 +55,11 @@ def num_tiles_of(valid_rows, row_tile: int):
 
 
 def per_tile_sized(fn, row_tile: int, small_tiles: tuple[int, ...], valid_rows, *xs):
-    """``per_tile``, but when every valid row falls in the first t rows for a t in ``small_tiles``
-    (the smallest such), one tile of t rows instead (chosen at run time). Rows of skipped tiles
-    come out zero; with no valid row nothing runs.
+    """``per_tile``, but for a step of one tile (N = ``row_tile``: decode at small batch) whose
+    valid rows all fall in the first t rows for a t in ``small_tiles`` (the smallest such), one
+    tile of t rows instead, chosen at run time. Rows of skipped tiles come out zero; with no valid
+    row nothing runs. Larger steps keep ``per_tile`` alone: each branch is compiled, and a step of
+    more tiles rarely has only a few valid rows.
 
     small_tiles: tile sizes below ``row_tile`` that divide it, certified to give ``fn``'s bits of
     a ``row_tile`` tile row for row (``sfjax.model.certify_row_tiles``); () is ``per_tile``.
@@ -66,7 +68,7 @@ def per_tile_sized(fn, row_tile: int, small_tiles: tuple[int, ...], valid_rows, 
     small = sorted(t for t in set(small_tiles) if t < row_tile and row_tile % t == 0)
     last = jnp.max(jnp.where(valid_rows, jnp.arange(1, valid_rows.shape[0] + 1), 0))
     whole = lambda xs: per_tile(fn, row_tile, (last + row_tile - 1) // row_tile, *xs)
-    if not small or n % row_tile:
+    if not small or n != row_tile:
         return whole(xs)
     branches = [lambda xs, t=t: per_tile(fn, t, jnp.minimum(last, 1), *xs) for t in small]
     index = sum((last > t).astype(jnp.int32) for t in small)

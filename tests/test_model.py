@@ -105,10 +105,12 @@ def test_certified_small_tiles_keep_every_rows_bits(setup):
 
 def test_per_tile_sized_picks_the_smallest_tile_that_holds_the_rows():
     from pallas_kernels.rows import per_tile_sized
-    x = jnp.ones((16, 3))
-    f = jax.jit(lambda valid: per_tile_sized(lambda t: t * t.shape[0], 8, (2, 4), valid, x))
-    for last, tile in [(1, 2), (2, 2), (3, 4), (4, 4), (5, 8), (16, 8)]:
-        out = np.asarray(f(jnp.arange(16) < last))
-        done = -(-last // tile) * tile
-        assert (out[:done] == tile).all() and (out[done:] == 0).all(), (last, tile)
-    assert (np.asarray(f(jnp.zeros(16, bool))) == 0).all()          # nothing valid: nothing runs
+    for n, cases in [(8, [(1, 2), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)]),
+                     (16, [(1, 8), (3, 8), (16, 8)])]:          # steps of more tiles: row_tile
+        f = jax.jit(lambda valid: per_tile_sized(lambda t: t * t.shape[0], 8, (2, 4), valid,
+                                                 jnp.ones((n, 3))))
+        for last, tile in cases:
+            out = np.asarray(f(jnp.arange(n) < last))
+            done = -(-last // tile) * tile
+            assert (out[:done] == tile).all() and (out[done:] == 0).all(), (n, last, tile)
+        assert (np.asarray(f(jnp.zeros(n, bool))) == 0).all()      # nothing valid: nothing runs
