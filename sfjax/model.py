@@ -351,24 +351,28 @@ def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
 
 
 def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention: str):
+    """One program with the candidate tiles, run twice per candidate t: slot 0's rows 0..t-1
+    alone (a tile of t), then with a row of slot 1 at the step's last row (a tile of row_tile).
+    Slot 0's logits, hidden states and pages must be the same bits."""
     n, block_size = row_tile, 16
-    blocks = -(-n // block_size) + 1                   # and the null block
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, n), jnp.int32)
-    tables = jnp.arange(1, blocks, dtype=jnp.int32)[None]
-    cache = KVCache.zeros(cfg, blocks, block_size)
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def probe(c, m):                                   # rows 0..m-1 of slot 0 valid
-        positions = jnp.where(jnp.arange(n) < m, jnp.arange(n), -1)
-        hidden, kv = forward(weights, cache, tokens, positions, jnp.where(positions >= 0, 0, -1),
-                             tables, c, row_tile, attention=attention)
-        return logits(weights, hidden, c, row_tile, num_rows=m), hidden, kv.k[:, 1:], kv.v[:, 1:]
-
+    per_slot = -(-n // block_size)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, n), jnp.int32)
+    tables = jnp.arange(1, 1 + 2 * per_slot, dtype=jnp.int32).reshape(2, per_slot)
+    cache = KVCache.zeros(cfg, 1 + 2 * per_slot, block_size)
     small = dataclasses.replace(cfg, small_row_tiles=cands)
 
+    @jax.jit
+    def probe(m, other):
+        i = jnp.arange(n)
+        positions = jnp.where(i < m, i, jnp.where((i == n - 1) & other, 0, -1))
+        slots = jnp.where(i < m, 0, jnp.where(positions >= 0, 1, -1))
+        hidden, kv = forward(weights, cache, tokens, positions, slots, tables, small, row_tile,
+                             attention=attention)
+        out = logits(weights, hidden, small, row_tile, num_rows=jnp.where(other, n, m))
+        return out, hidden, kv.k[:, 1:1 + per_slot], kv.v[:, 1:1 + per_slot]
+
     def same(t):
-        (la, ha, ka, va), (lb, hb, kb, vb) = probe(cfg, t), probe(small, t)
+        (la, ha, ka, va), (lb, hb, kb, vb) = probe(t, False), probe(t, True)
         return all(bool((x == y).all()) for x, y in
                    [(la[:t], lb[:t]), (ha[:t], hb[:t]), (ka, kb), (va, vb)])
     return tuple(t for t in cands if same(t))

@@ -114,3 +114,13 @@ def test_per_tile_sized_picks_the_smallest_tile_that_holds_the_rows():
             done = -(-last // tile) * tile
             assert (out[:done] == tile).all() and (out[done:] == 0).all(), (n, last, tile)
         assert (np.asarray(f(jnp.zeros(n, bool))) == 0).all()      # nothing valid: nothing runs
+
+
+def test_the_certificate_refuses_a_tile_with_other_bits(setup, monkeypatch):
+    """A body whose bits follow the tile's size (here a norm that adds the tile's row count) gets
+    no small tile."""
+    w, _ = setup
+    norm = model.rms_norm
+    monkeypatch.setattr(model, "rms_norm", lambda x, g, eps: norm(x, g, eps) + x.shape[0] * 1e-3)
+    monkeypatch.setattr(model, "_CERTIFIED", {})
+    assert model.certify_row_tiles(w, CFG, 8, (2, 4)) == ()
