@@ -32,10 +32,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.rows import num_tiles_of, per_tile
+
 
 KEY_CHUNK = 64          # the kernels' keys per online-softmax step
 REFERENCE_CHUNK = 256   # the reference's (fewer, larger steps: XLA:CPU pays per op, not per key)
-IMPLS = ("auto", "reference", "interpret", "triton", "mosaic_tpu")
+IMPLS = ("auto", "reference", "reference_tiles", "interpret", "triton", "mosaic_tpu")
 
 
 def _row(q, position, table, *, k_cache, v_cache, layer, sm_scale):
@@ -119,6 +121,90 @@ def paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots, p
         return out.at[i].set(o)
 
     out = lax.fori_loop(0, last, body, jnp.zeros((n, kvh, h // kvh, d), jnp.float32))
+    return out.reshape(n, h, d)
+
+
+def _tile_head(q, head, positions, slots, *, k_cache, v_cache, layer, block_tables, sm_scale):
+    """One KV head of one tile of rows. q [T, G, D]; head int32; positions, slots [T]; caches
+    [L, blocks, bs, KVH, D]."""
+    t, g, d = q.shape
+    block_size = k_cache.shape[2]
+    tables = block_tables[jnp.maximum(slots, 0)]                      # [T, max_blocks]
+    q = q.astype(jnp.float32)
+    n_chunks = (jnp.max(positions) + KEY_CHUNK) // KEY_CHUNK           # 0 when every row is padding
+
+    def keys(cache, kpos):
+        """[T, C, D] the chunk's keys (or values) of this head, from each row's pages."""
+        if KEY_CHUNK % block_size == 0:      # whole pages: one gather of contiguous blocks
+            pages = jnp.take(tables, kpos[::block_size] // block_size, axis=1, mode="clip")  # [T, P]
+            return cache[layer, pages, :, head].reshape(t, KEY_CHUNK, d)
+        page = jnp.take(tables, kpos // block_size, axis=1, mode="clip")    # [T, C]
+        return cache[layer, page, jnp.broadcast_to(kpos % block_size, page.shape), head]
+
+    def body(c, carry):
+        m, l, acc = carry
+        kpos = c * KEY_CHUNK + jnp.arange(KEY_CHUNK)                   # [C]
+        k = keys(k_cache, kpos).astype(jnp.float32)                    # [T, C, D]
+        valid = kpos[None, :] <= positions[:, None]                    # [T, C]
+        # masked keys must not reach the output even as NaN (0 * NaN is NaN): zero their V
+        v = jnp.where(valid[..., None], keys(v_cache, kpos).astype(jnp.float32), 0.0)
+        s = jnp.einsum("tgd,tcd->tgc", q, k) * sm_scale
+        s = jnp.where(valid[:, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[..., None])
+        l = alpha * l + p.sum(-1)
+        acc = alpha[..., None] * acc + jnp.einsum("tgc,tcd->tgd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((t, g), -jnp.inf, jnp.float32), jnp.zeros((t, g), jnp.float32),
+            jnp.zeros((t, g, d), jnp.float32))
+    _, l, acc = lax.fori_loop(0, n_chunks, body, init)
+    return acc / jnp.where(l == 0, 1.0, l)[..., None]
+
+
+def _tile(q, positions, slots, **kw):
+    """One tile of rows, one KV head at a time in a loop whose trip count the compiler cannot
+    see, so a head's bits do not depend on how many KV heads the cache holds (tensor parallelism
+    shards them). q [T, KVH, G, D]; positions, slots [T]."""
+    kvh = q.shape[1]
+    count = jnp.where(positions[0] > -2**30, kvh, 0)                   # kvh, opaque
+    one = lambda qh, h: _tile_head(qh[0], h[0], positions, slots, **kw)[None]
+    out = per_tile(one, 1, count, q.transpose(1, 0, 2, 3), jnp.arange(kvh, dtype=jnp.int32))
+    return out.transpose(1, 0, 2, 3)
+
+
+def paged_attention_tiles(q, k_cache, v_cache, layer, block_tables, slots, positions, *,
+                          sm_scale: float, row_tile: int = 8):
+    """The reference's other form (``impl="reference_tiles"``): fixed tiles of ``row_tile`` rows,
+    one KV head at a time, ``KEY_CHUNK`` keys per step; other bits than ``reference``.
+
+    A tile reads every row's keys, its padding rows too, in a loop per head, so a step's cost
+    follows its tiles rather than its rows: on XLA:CPU a decode row alone costs 5x the row
+    reference, while 8 decode rows of 8 slots cost 0.6-0.8x and a 64-row prefill chunk 0.3x of it
+    (BENCHMARKS.md). For batched CPU serving.
+
+    Args:
+      q: [N, heads, head_dim] queries, N a multiple of ``row_tile``.
+      k_cache, v_cache: [layers, num_blocks, block_size, kv_heads, head_dim] the page pools.
+      layer: int32 scalar, the layer to read.
+      block_tables: int32 [max_seqs, max_blocks] page ids per slot.
+      slots: int32 [N] the slot of each query row (-1 for padding).
+      positions: int32 [N] the position of each query row (-1 for padding: output zeros).
+      sm_scale: softmax scale (a Python float).
+      row_tile: rows per tile; fixed per engine so a row's bits never depend on N.
+    Returns:
+      [N, heads, head_dim] float32.
+    """
+    q, k_cache, v_cache, block_tables, slots, positions = map(
+        jnp.asarray, (q, k_cache, v_cache, block_tables, slots, positions))
+    n, h, d = q.shape
+    kvh = k_cache.shape[3]
+    tile = functools.partial(_tile, k_cache=k_cache, v_cache=v_cache, layer=layer,
+                             block_tables=block_tables, sm_scale=sm_scale)
+    out = per_tile(tile, row_tile, num_tiles_of(positions >= 0, row_tile),
+                   q.reshape(n, kvh, h // kvh, d), positions, slots)
     return out.reshape(n, h, d)
 
 
@@ -348,11 +434,13 @@ def paged_attention_kernel(q, k_cache, v_cache, layer, block_tables, slots, posi
 
 
 def paged_attention(q, k_cache, v_cache, layer, block_tables, slots, positions, *,
-                    sm_scale: float, impl: str = "auto", interpret: bool = False):
+                    sm_scale: float, row_tile: int = 8, impl: str = "auto",
+                    interpret: bool = False):
     """Paged attention with the reference's arguments and result, by ``impl``: "auto" (the
     kernel through Triton on GPU and Mosaic on TPU, the reference on CPU), "reference",
     "triton", "mosaic_tpu", or "interpret" (the GPU kernel in the interpreter). ``interpret``
-    runs a chosen kernel in the interpreter."""
+    runs a chosen kernel in the interpreter. "reference_tiles": the reference in tiles of
+    ``row_tile`` rows (``paged_attention_tiles``; other bits)."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}; got {impl!r}")
     if impl == "auto":
@@ -360,6 +448,9 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, slots, positions, 
     if impl == "reference":
         return paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots,
                                          positions, sm_scale=sm_scale)
+    if impl == "reference_tiles":
+        return paged_attention_tiles(q, k_cache, v_cache, layer, block_tables, slots, positions,
+                                     sm_scale=sm_scale, row_tile=row_tile)
     if impl == "interpret":
         impl, interpret = "triton", True
     return paged_attention_kernel(q, k_cache, v_cache, layer, block_tables, slots, positions,

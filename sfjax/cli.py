@@ -24,7 +24,7 @@ def _llm(args, default_spec: dict | None = None):
                max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=not args.no_prefix_caching,
                num_scheduler_steps=args.num_scheduler_steps, speculative_config=spec,
-               small_row_tiles=not args.no_small_row_tiles)
+               small_row_tiles=not args.no_small_row_tiles, attention=args.attention)
 
 
 def _params(args, **over):
@@ -167,6 +167,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="decode rounds per host call while every request decodes (1..1024)")
+    p.add_argument("--attention", default="auto",
+                   help="paged attention: auto (the Pallas kernel on GPU/TPU, the row reference on "
+                        "CPU), reference, reference_tiles (faster for batched CPU serving), "
+                        "triton, mosaic_tpu, interpret")
     p.add_argument("--no-small-row-tiles", action="store_true",
                    help="run every step in tiles of 8 rows, also where a tile of 2 or 4 is "
                         "certified to keep the bits (CPU)")

@@ -193,12 +193,13 @@ def cache_slots(block_tables, slots, positions, block_size):
     return jnp.where(pad, 0, page), jnp.where(pad, 0, pos % block_size)
 
 
-def _attention(q, kc, vc, i, block_tables, slots, positions, cfg, attention, sp: _Split):
+def _attention(q, kc, vc, i, block_tables, slots, positions, cfg, row_tile, attention,
+               sp: _Split):
     """This shard's heads. With the KV cache replicated (kv_heads < tp) the shard's query heads are
     placed among zeros for all heads, so attention runs with the single-device shapes."""
     sm_scale = float(cfg.head_dim) ** -0.5
     run = lambda q: paged_attention(q, kc, vc, i, block_tables, slots, positions, sm_scale=sm_scale,
-                                    impl=attention)
+                                    row_tile=row_tile, impl=attention)
     if not sp.kv_replicated:
         return run(q)
     h = q.shape[1]
@@ -224,7 +225,8 @@ def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_t
         q, k, v = tiled(functools.partial(_qkv, lw=lw, cfg=cfg, inv_freq=inv_freq), x, positions)
         kc = kc.at[i, page, off].set(k.astype(kc.dtype))
         vc = vc.at[i, page, off].set(v.astype(vc.dtype))
-        attn = _attention(q, kc, vc, i, block_tables, slots, positions, cfg, attention, sp)
+        attn = _attention(q, kc, vc, i, block_tables, slots, positions, cfg, row_tile, attention,
+                          sp)
         attn = sp.columns(attn, 1).astype(x.dtype)                        # [N, heads, D]
         delta = sp.columns(tiled(lambda a: matmul(a.reshape(a.shape[0], -1), lw["wo"]), attn), 1)
         x, act = tiled(functools.partial(_mlp_in, lw=lw, cfg=cfg), x, delta)
@@ -267,7 +269,8 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
       tokens, positions, slots: int32 [N] (N a multiple of ``row_tile``; padding: slot -1).
       block_tables: int32 [max_seqs, max_blocks].
       attention: ``pallas_kernels.paged_attention.paged_attention``'s impl ("auto": the Pallas
-        kernel on GPU and TPU, the reference on CPU; "interpret": the kernel in the interpreter).
+        kernel on GPU and TPU, the row reference on CPU; "reference_tiles": the reference in row
+        tiles, for batched CPU serving; "interpret": the kernel in the interpreter).
       mesh: a (data, model) mesh (``sfjax.sharding``): the forward runs under ``shard_map`` with
         the weights and cache sharded by the rules table (the cache's pages over ``data``) and
         the rows split over ``data``. Over dp > 1 data shards the rows come laid out by shard

@@ -13,6 +13,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.paged_attention import IMPLS as ATTENTION_IMPLS
 from sfjax import model, sampling, sharding
 from sfjax.cache import KVCache, BlockAllocator, ShardedAllocator, validate_block_size
 from sfjax.config import ModelConfig
@@ -61,6 +62,9 @@ class EngineConfig:
                              f"max_num_seqs ({self.max_num_seqs})")
         if self.row_tile < 1:
             raise ValueError(f"row_tile must be >= 1, got {self.row_tile}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}; "
+                             f"got {self.attention!r}")
         if not 1 <= self.num_scheduler_steps <= 1024:
             raise ValueError(f"num_scheduler_steps must be in [1, 1024], got {self.num_scheduler_steps}")
 
