@@ -8,7 +8,9 @@ Row invariance (the exactness contract, DESIGN §1.2): a row's output bits must 
 rows around it or on how many there are. So keys are processed in fixed chunks (``KEY_CHUNK`` for
 the kernels, ``REFERENCE_CHUNK`` for the reference) in ascending order with an online softmax, and
 rows in fixed shapes:
-- the reference runs one row at a time (its own pages only, all KV heads in one batched dot);
+- the reference groups each slot's consecutive rows into query blocks of up to 8 rows, as the
+  kernel does, and computes a block in one fixed shape (its slot's pages only, all KV heads in
+  one batched dot);
 - the kernel groups each slot's consecutive rows into query blocks of ``block_q`` rows (the
   ragged paged attention design: a block's rows share every page they read) and computes a
   block as fixed-shape [block_q * G, D] x [D, chunk] products, one row per product row.
@@ -37,63 +39,68 @@ from pallas_kernels.rows import num_tiles_of, per_tile
 
 KEY_CHUNK = 64          # the kernels' keys per online-softmax step
 REFERENCE_CHUNK = 256   # the reference's (fewer, larger steps: XLA:CPU pays per op, not per key)
+REFERENCE_BLOCK = 8     # the reference's query rows of one slot per block
 IMPLS = ("auto", "reference", "reference_tiles", "interpret", "triton", "mosaic_tpu")
 
 
-def _row(q, position, table, *, k_cache, v_cache, layer, sm_scale):
-    """One query row, all its KV heads at once. q [KVH, G, D]; position int32 (-1: padding, zeros
-    out); table [max_blocks] the row's page ids; caches [L, blocks, bs, KVH, D]."""
-    kvh, g, d = q.shape
+def _block(q, rowpos, table, last, *, k_cache, v_cache, layer, sm_scale):
+    """One query block: up to ``REFERENCE_BLOCK`` consecutive rows of one slot, all KV heads at
+    once. q [R, KVH, G, D]; rowpos [R] (-1: not the block's row, zeros out); table [max_blocks]
+    the slot's page ids; last the block's last position; caches [L, blocks, bs, KVH, D]."""
+    r, kvh, g, d = q.shape
     block_size = k_cache.shape[2]
     pages_per_chunk = max(REFERENCE_CHUNK // block_size, 1)
     chunk_len = pages_per_chunk * block_size
     # XLA drops a dot's batch dimension of size 1 and compiles a plain dot, with other bits: a
     # tensor-parallel shard holding one KV head computes it beside a zero head
     heads = max(kvh, 2)
-    widen = lambda x: x if kvh == heads else jnp.concatenate([x, jnp.zeros_like(x)])
-    q = widen(q.astype(jnp.float32))
+    widen = lambda x, axis: x if kvh == heads else jnp.concatenate([x, jnp.zeros_like(x)], axis)
+    q = widen(q.astype(jnp.float32), 1)
 
     def keys(cache, pages):
         """[heads, C, D] the chunk's keys (or values): whole pages, one gather."""
         return widen(cache[layer, pages].reshape(chunk_len, kvh, d).astype(jnp.float32)
-                     .transpose(1, 0, 2))
+                     .transpose(1, 0, 2), 0)
 
     def body(c, carry):
         m, l, acc = carry
         pages = jnp.take(table, c * pages_per_chunk + jnp.arange(pages_per_chunk), mode="clip")
-        valid = c * chunk_len + jnp.arange(chunk_len) <= position                # [C]
+        kpos = c * chunk_len + jnp.arange(chunk_len)                              # [C]
         k = keys(k_cache, pages)
         # masked keys must not reach the output even as NaN (0 * NaN is NaN): zero their V
-        v = jnp.where(valid[None, :, None], keys(v_cache, pages), 0.0)
-        # [KVH, C, G] (keys as the dot's rows: no transposed copy of K), then keys minor
-        s = jnp.einsum("hcd,hgd->hcg", k, q).transpose(0, 2, 1) * sm_scale
-        s = jnp.where(valid, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1))
+        v = jnp.where((kpos <= last)[None, :, None], keys(v_cache, pages), 0.0)
+        # [heads, C, R, G] (keys as the dot's rows: no transposed copy of K), then keys minor
+        s = jnp.einsum("hcd,rhgd->hcrg", k, q).transpose(0, 2, 3, 1) * sm_scale
+        s = jnp.where((kpos[None, :] <= rowpos[:, None])[None, :, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))                                        # [heads, R, G]
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         l = alpha * l + p.sum(-1)
-        acc = alpha[..., None] * acc + jnp.einsum("hgc,hcd->hgd", p, v)
+        acc = alpha[..., None] * acc + jnp.einsum("hrgc,hcd->hrgd", p, v)
         return m_new, l, acc
 
-    init = (jnp.full((heads, g), -jnp.inf, jnp.float32), jnp.zeros((heads, g), jnp.float32),
-            jnp.zeros((heads, g, d), jnp.float32))
-    n_chunks = jnp.where(position >= 0, position // chunk_len + 1, 0)
+    init = (jnp.full((heads, r, g), -jnp.inf, jnp.float32), jnp.zeros((heads, r, g), jnp.float32),
+            jnp.zeros((heads, r, g, d), jnp.float32))
+    n_chunks = jnp.where(last >= 0, last // chunk_len + 1, 0)
     _, l, acc = lax.fori_loop(0, n_chunks, body, init)
-    return (acc / jnp.where(l == 0, 1.0, l)[..., None])[:kvh]
+    return (acc / jnp.where(l == 0, 1.0, l)[..., None])[:kvh].transpose(1, 0, 2, 3)
 
 
 def paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots, positions, *,
                               sm_scale: float):
-    """Pure-jnp paged attention, row-invariant: one row at a time.
+    """Pure-jnp paged attention, row-invariant: by query blocks, as the kernel.
 
-    Rows run in a loop up to the last valid one (a runtime trip count, so the body is compiled
-    once whatever N is); a row reads only its own pages, ``REFERENCE_CHUNK`` keys per
-    online-softmax step, all KV heads in one batched dot (a head's bits do not depend on how many
-    heads the shard holds: the heads are the dot's batch, never of size 1). On XLA:CPU a decode
-    row costs what its own keys cost: the padding rows of a tile are never read (measured on the
-    demo model, one decode row: 65 us per token for 4 layers, where tiles of 8 rows looped over
-    heads and 64-key chunks took 329 us).
+    Each slot's consecutive rows form blocks of up to ``REFERENCE_BLOCK`` rows (a decode row is a
+    block alone; a verify or a prefill chunk shares one block per 8 rows), run in a loop over the
+    blocks (a runtime trip count, so the body is compiled once whatever N is). A block reads only
+    its slot's pages, once for all its rows, ``REFERENCE_CHUNK`` keys per online-softmax step,
+    all KV heads in one batched dot (a head's bits do not depend on how many heads the shard
+    holds: the heads are the dot's batch, never of size 1), every row in the same fixed shape
+    whichever rows share its block. On XLA:CPU (the demo model, 4 layers, per token) a decode
+    row alone costs 116 us and a 5-row verify 117 us, where tiles of 8 rows looped over heads and
+    64-key chunks took 329 and 373 us; 8 decode rows of 8 slots cost more (869 against 385 us):
+    ``paged_attention_tiles`` is that form.
 
     Args:
       q: [N, heads, head_dim] queries.
@@ -109,19 +116,25 @@ def paged_attention_reference(q, k_cache, v_cache, layer, block_tables, slots, p
     q, k_cache, v_cache, block_tables, slots, positions = map(
         jnp.asarray, (q, k_cache, v_cache, block_tables, slots, positions))
     n, h, d = q.shape
-    kvh = k_cache.shape[3]
-    q = q.reshape(n, kvh, h // kvh, d)
-
-    row = functools.partial(_row, k_cache=k_cache, v_cache=v_cache, layer=layer,
+    kvh, r = k_cache.shape[3], REFERENCE_BLOCK
+    block, _, block_slot, block_last, num_blocks = _query_blocks(slots, positions, r)
+    first = jnp.full(n, n, jnp.int32).at[block].min(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    pad = lambda x, fill: jnp.concatenate([x, jnp.full((r, *x.shape[1:]), fill, x.dtype)])
+    q, block, positions = pad(q.reshape(n, kvh, h // kvh, d), 0), pad(block, -1), pad(positions, -1)
+    run = functools.partial(_block, k_cache=k_cache, v_cache=v_cache, layer=layer,
                             sm_scale=sm_scale)
-    last = jnp.max(jnp.where(positions >= 0, jnp.arange(1, n + 1), 0))
 
-    def body(i, out):
-        o = row(q[i], positions[i], block_tables[jnp.maximum(slots[i], 0)])
-        return out.at[i].set(o)
+    def body(b, out):
+        start = first[b]
+        mine = lax.dynamic_slice_in_dim(block, start, r) == b                # [R]
+        rowpos = jnp.where(mine, lax.dynamic_slice_in_dim(positions, start, r), -1)
+        o = run(lax.dynamic_slice_in_dim(q, start, r), rowpos, block_tables[block_slot[b]],
+                block_last[b])
+        o = jnp.where(mine[:, None, None, None], o, lax.dynamic_slice_in_dim(out, start, r))
+        return lax.dynamic_update_slice_in_dim(out, o, start, 0)
 
-    out = lax.fori_loop(0, last, body, jnp.zeros((n, kvh, h // kvh, d), jnp.float32))
-    return out.reshape(n, h, d)
+    out = lax.fori_loop(0, num_blocks, body, jnp.zeros((n + r, kvh, h // kvh, d), jnp.float32))
+    return out[:n].reshape(n, h, d)
 
 
 def _tile_head(q, head, positions, slots, *, k_cache, v_cache, layer, block_tables, sm_scale):
