@@ -168,8 +168,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="decode rounds per host call while every request decodes (1..1024)")
     p.add_argument("--attention", default="auto",
-                   help="paged attention: auto (the Pallas kernel on GPU/TPU, the row reference on "
-                        "CPU), reference, reference_tiles (faster for batched CPU serving), "
+                   help="paged attention: auto (the Pallas kernel on GPU/TPU, the reference by query "
+                        "blocks on CPU), reference, reference_tiles (faster for batched CPU serving), "
                         "triton, mosaic_tpu, interpret")
     p.add_argument("--no-small-row-tiles", action="store_true",
                    help="run every step in tiles of 8 rows, also where a tile of 2 or 4 is "

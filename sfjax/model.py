@@ -5,7 +5,8 @@ verify tokens of many sequences alike, each row with its slot and position. Ever
 per fixed tile of ``row_tile`` rows (``per_tile``), so a row's bits never depend on N or on the
 other rows: XLA's GEMMs pick their code path by M, and a plain ``x @ W`` is not batch-invariant
 (measured on XLA:CPU: M = 1 and M = 8 differ by 1.7e-6). Attention is row-invariant by
-construction (pallas_kernels/paged_attention.py), row by row.
+construction (pallas_kernels/paged_attention.py). A step whose rows fit a smaller tile runs in it
+where that is certified to keep the bits (``certify_row_tiles``).
 """
 
 from __future__ import annotations
@@ -269,8 +270,9 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
       tokens, positions, slots: int32 [N] (N a multiple of ``row_tile``; padding: slot -1).
       block_tables: int32 [max_seqs, max_blocks].
       attention: ``pallas_kernels.paged_attention.paged_attention``'s impl ("auto": the Pallas
-        kernel on GPU and TPU, the row reference on CPU; "reference_tiles": the reference in row
-        tiles, for batched CPU serving; "interpret": the kernel in the interpreter).
+        kernel on GPU and TPU, the reference by query blocks on CPU; "reference_tiles": the
+        reference in row tiles, for batched CPU serving; "interpret": the kernel in the
+        interpreter).
       mesh: a (data, model) mesh (``sfjax.sharding``): the forward runs under ``shard_map`` with
         the weights and cache sharded by the rules table (the cache's pages over ``data``) and
         the rows split over ``data``. Over dp > 1 data shards the rows come laid out by shard
