@@ -11,6 +11,10 @@
 4. The draft, a smaller Llama distilled from the target: KL(target || draft) over the vocabulary.
 5. Held-out loss of both, and the draft's greedy agreement with the target on held-out text
    (the expected acceptance rate of one greedy draft token), written to the folders' README.md.
+6. The training files' n-gram table (``sfjax.spec.table``: the most frequent 3-token continuation
+   of each frequent 2-token context and of each token), the prompt-lookup proposer's fallback,
+   as ``target/ngram_table.safetensors``. ``--table-only`` rebuilds just this from the folder's
+   tokenizer (seconds).
 
 The forward is a dense causal Llama over sfjax's ``Weights`` pytree (sfjax's own RMSNorm and
 RoPE), so the trained arrays go straight to ``weights.save_hf``; ``tests/test_demo_model.py``
@@ -45,9 +49,11 @@ from sfjax import toy
 from sfjax import weights as W
 from sfjax.config import ModelConfig, rope_frequencies
 from sfjax.model import rms_norm, rope, rope_angles
+from sfjax.spec import table as ngram_table
 
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 HELD_OUT_EVERY = 20
+NGRAM_WIDTH, NGRAM_MIN_COUNT = 3, 2      # the table's continuation length; a bigram's min. count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +250,14 @@ def save_folder(path: str, cfg: ModelConfig, w: W.Weights, tok: Tokenizer, card:
     os.chmod(os.path.join(path, "model.safetensors"), 0o644)   # safetensors writes it 0600
 
 
+def write_ngram_table(tok: Tokenizer, texts: list[str], path: str) -> None:
+    """The training files' n-gram table, file by file, as ``sfjax.spec.table.build`` counts it."""
+    t = ngram_table.build((e.ids for e in tok.encode_batch(texts)), tok.get_vocab_size(),
+                          NGRAM_WIDTH, NGRAM_MIN_COUNT)
+    ngram_table.save(t, path)
+    print(f"n-gram table: {t.keys.shape[0]} two-token contexts, {tok.get_vocab_size()} tokens -> {path}")
+
+
 def model_card(role: str, cfg: ModelConfig, run: Run, metrics: dict, command: str) -> str:
     return (
         f"# sfjax demo {role}\n\n"
@@ -263,8 +277,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="orbax checkpoints and the tokenizer; a rerun resumes from here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a tiny run of a few seconds")
+    parser.add_argument("--table-only", action="store_true",
+                        help="only (re)write OUT/target's n-gram table, with OUT/target's tokenizer")
     args = parser.parse_args(argv)
     run = dataclasses.replace(SMOKE if args.smoke else FULL, seed=args.seed)
+    if args.table_only:
+        root, files = corpus_files(run.max_files)
+        texts = read_texts(root, [f for i, f in enumerate(files) if i % HELD_OUT_EVERY])
+        target = os.path.join(args.out, "target")
+        write_ngram_table(Tokenizer.from_file(os.path.join(target, "tokenizer.json")), texts,
+                          os.path.join(target, ngram_table.TABLE_FILE))
+        return 0
     command = "python " + shlex.join(["scripts/train_demo.py", *(argv if argv is not None else sys.argv[1:])])
     t0 = time.perf_counter()
 
@@ -301,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     for role, cfg, w in (("target", run.target, target_w), ("draft", run.draft, draft_w)):
         save_folder(os.path.join(args.out, role), cfg, w, tok,
                     model_card(role, cfg, run, metrics, command))
+    write_ngram_table(tok, train_texts, os.path.join(args.out, "target", ngram_table.TABLE_FILE))
     print(json.dumps(metrics, indent=2))
     return 0
 

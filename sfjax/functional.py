@@ -32,6 +32,7 @@ from sfjax.sampling import SamplingBatch, request_key_data
 from sfjax.sampling_params import SamplingParams
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.round import RoundConfig, SpecBatch, spec_step
+from sfjax.spec.table import NgramTable
 from sfjax.step import DeviceState, StepBatch, model_step
 
 
@@ -249,6 +250,12 @@ def place_weights(weights: W.Weights, cfg: Config, draft: bool = False) -> W.Wei
 
 def _weights(weights, draft_weights, cfg: Config):
     weights = place_weights(weights, cfg)
+    spec = cfg.speculative_config
+    if spec is not None and spec.method == "ngram":     # draft_weights: the n-gram table, if any
+        if spec.prompt_lookup_table is not None and not isinstance(draft_weights, NgramTable):
+            raise ValueError("draft_weights: speculative_config.prompt_lookup_table names an n-gram "
+                             "table; pass it, as sfjax.spec.table.load(path)")
+        return weights, draft_weights if isinstance(draft_weights, NgramTable) else None
     if cfg.draft is None:
         return weights, None
     if draft_weights is None:

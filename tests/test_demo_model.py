@@ -1,6 +1,7 @@
 """The embedded default pair (sfjax/default/, made by scripts/train_demo.py): HF transformers loads
-it and agrees with sfjax, it has learned Python, its draft agrees with its target, the CLI serves
-it with speculation, and the training script resumes from its orbax checkpoints bit for bit."""
+it and agrees with sfjax, it has learned Python, its draft agrees with its target, its n-gram
+table drafts exactly, the CLI serves it with speculation, and the training script resumes from
+its orbax checkpoints bit for bit."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from sfjax import LLM, SamplingParams
 from sfjax.cli import main as cli
 from sfjax.config import ModelConfig
 from sfjax.default_model import default_draft_path, default_model_path
+from sfjax.spec import table as ngram_table
 from test_hf_parity import (MIN_LOGIT_STD, MIN_MARGIN, PARITY_TOL, hf_greedy, hf_logits,
                             sfjax_logits, top2_margins, trajectory_logits)
 
@@ -99,6 +101,28 @@ def test_the_target_learned_python_and_the_draft_follows_it(held_out_prompts):
     assert (target.argmax(-1) == draft.argmax(-1)).mean() > 0.5
 
 
+def test_the_ngram_table_ships_and_drafts_where_lookup_cannot(default_llm, held_out_prompts):
+    """The target's corpus n-gram table loads with its vocabulary; prompt lookup with it emits
+    plain decoding's tokens, greedy and sampled, and drafts (and gets accepted) in more rounds
+    than without it."""
+    path = os.path.join(FOLDERS["target"], ngram_table.TABLE_FILE)
+    assert ngram_table.load(path, ModelConfig.from_folder(FOLDERS["target"]).vocab_size).keys.shape[0] > 10_000
+    prompts = [{"prompt_token_ids": p} for p in held_out_prompts]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)]
+    want = [[o.outputs[0].token_ids for o in default_llm.generate(prompts, sp, use_tqdm=False)]
+            for sp in params]
+    counts = {}
+    for name, extra in (("lookup", {}), ("table", {"prompt_lookup_table": path})):
+        llm = LLM(max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                      **extra})
+        for sp, w in zip(params, want):
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == w
+        counts[name] = llm.get_metrics()["spec_decode"]
+    for field in ("num_drafts", "num_accepted_tokens"):
+        assert counts["table"][field] > counts["lookup"][field], (field, counts)
+
+
 def test_cli_default_generates_python_with_speculation(default_llm, capsys):
     assert cli(["generate", "def fib(n):", "--max-tokens", "32"]) == 0
     out = capsys.readouterr().out
@@ -117,8 +141,9 @@ def test_train_demo_smoke_resumes_bit_for_bit(tmp_path):
                         ("draft", train_demo.SMOKE.draft_steps)):
         shutil.rmtree(ckpt / role / str(steps))          # as if killed after the last-but-one save
     assert train_demo.main(["--smoke", "--out", str(tmp_path / "b"), "--ckpt-dir", str(ckpt)]) == 0
-    for role in ("target", "draft"):
-        a, b = ((tmp_path / d / role / "model.safetensors").read_bytes() for d in "ab")
+    for role, name in (("target", "model.safetensors"), ("draft", "model.safetensors"),
+                       ("target", ngram_table.TABLE_FILE)):
+        a, b = ((tmp_path / d / role / name).read_bytes() for d in "ab")
         assert a == b
         hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "a" / role)
         assert hf.config.vocab_size == train_demo.SMOKE.vocab_size

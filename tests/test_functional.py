@@ -14,6 +14,7 @@ from sfjax import LLM, SamplingParams, toy
 from sfjax import functional as F
 from sfjax import weights as W
 from sfjax.config import ModelConfig
+from sfjax.spec import table as ngram_table
 
 B, MAX_LEN = 4, 64
 
@@ -46,11 +47,16 @@ def pair(tiny_folder, tmp_path_factory):
     dcfg = dataclasses.replace(cfg, num_layers=1)
     dw = dataclasses.replace(weights, **{f: getattr(weights, f)[:1] for f in W.LAYER_FIELDS})
     draft = toy.build_model_folder(str(tmp_path_factory.mktemp("draft-1l")), dcfg, weights=dw)
-    return dict(folder=tiny_folder, cfg=cfg, weights=weights, draft=draft, draft_weights=dw)
+    table = str(tmp_path_factory.mktemp("table") / ngram_table.TABLE_FILE)   # from other prompts
+    ngram_table.save(ngram_table.build(_prompts(9, 64), cfg.vocab_size, width=3, min_count=1), table)
+    return dict(folder=tiny_folder, cfg=cfg, weights=weights, draft=draft, draft_weights=dw,
+                table=table, table_arrays=ngram_table.load(table, cfg.vocab_size))
 
 
 def _spec(method, pair):
     return {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+            "ngram_table": {"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_table": pair["table"]},
             "draft_model": {"method": "draft_model", "model": pair["draft"], "num_speculative_tokens": 3}}[method]
 
 
@@ -79,9 +85,10 @@ def user_program(cfg: F.Config):
 
 
 def _run(gen, pair, prompts, params, draft=True):
+    """draft: True for the draft model's weights, or the n-gram table (or None) to pass."""
     ids, lens = F.pad_prompts(prompts, length=16, batch=B)
     sp = F.Sampling.from_params(params + [params[0]] * (B - len(params)), eos_token_ids=pair["cfg"].eos_token_ids)
-    tokens, n, drafted, accepted = jax.device_get(gen(pair["weights"], pair["draft_weights"] if draft else None,
+    tokens, n, drafted, accepted = jax.device_get(gen(pair["weights"], pair["draft_weights"] if draft is True else draft,
                                                       ids, lens, sp))
     return [tokens[i, :n[i]].tolist() for i in range(B)], n, drafted, accepted
 
@@ -90,16 +97,21 @@ def _engine(llm, prompts, params):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["plain", "ngram", "ngram_table", "draft_model"])
 def test_tokens_and_counts_equal_llm_generate(pair, engine, method):
     spec = _spec(method, pair)
     llm = engine(method)
-    gen = user_program(F.Config(pair["cfg"], MAX_LEN, speculative_config=spec))
+    cfg = F.Config(pair["cfg"], MAX_LEN, speculative_config=spec)
+    gen = user_program(cfg)
+    draft = {"draft_model": True, "ngram_table": pair["table_arrays"]}.get(method)
+    if method == "ngram_table":                # the table named in the config must be passed
+        with pytest.raises(ValueError, match="prompt_lookup_table"):
+            _run(user_program(cfg), pair, _prompts(0), _params(0), draft=None)
     reasons = set()
     for seed in (0, 1):                        # new prompts and seeds, the same bucket
         prompts, params = _prompts(seed), _params(seed)
         ref = _engine(llm, prompts, params)
-        got, n, drafted, accepted = _run(gen, pair, prompts, params, draft=method == "draft_model")
+        got, n, drafted, accepted = _run(gen, pair, prompts, params, draft=draft)
         assert got == [o.outputs[0].token_ids for o in ref]
         reasons |= {o.outputs[0].finish_reason for o in ref}
         if spec is not None:

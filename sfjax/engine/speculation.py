@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sfjax import model, sharding
 from sfjax.cache import KVCache
@@ -13,6 +15,7 @@ from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry, Strategy
+from sfjax.spec import table
 from sfjax.spec.round import RoundConfig, SpecBatch
 from sfjax.weights import Weights
 
@@ -94,6 +97,10 @@ class Speculator:
                                                      split)
             if tiles is not None and self.mesh is None:
                 self.draft_cfg = tiles(self.draft_cfg, self.draft_weights)
+        if config.prompt_lookup_table is not None:      # the n-gram table rides as "draft weights"
+            t = table.load(config.prompt_lookup_table, cfg.vocab_size)
+            self.draft_weights = t if mesh is None else sharding.put(
+                t, jax.tree.map(lambda _: P(), t), mesh)
         self.draft_cache = (KVCache.zeros(self.draft_cfg, num_blocks, block_size, mesh=self.mesh)
                             if self.draft_cfg is not None else None)
         self.metrics = SpecMetrics()

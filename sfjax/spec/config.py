@@ -18,6 +18,9 @@ class SpeculativeConfig:
     acceptance_method: "exact" (default; path-exact: the tokens plain decoding would draw with
     the same keys), "rejection_sampler" (Leviathan/Chen; distribution-exact) or
     "typical_acceptance_sampler" (Medusa's rule; lossy: equal to plain decoding at temperature 0).
+    prompt_lookup_table: for "ngram", a corpus n-gram table (``sfjax.spec.table``; the embedded
+    target ships one) whose continuation of the last two tokens is the draft when the sequence's
+    own tokens hold no match.
     max_model_len: the draft's limit; rows past it decode without speculation.
     draft_tensor_parallel_size: the draft's tensor-parallel size (dividing the target's; default
     the target's); the draft is replicated over the rest of the target's model axis.
@@ -29,6 +32,7 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    prompt_lookup_table: str | None = None
     max_model_len: int | None = None
     disable_by_batch_size: int | None = None
     acceptance_method: str = "exact"
@@ -71,6 +75,9 @@ class SpeculativeConfig:
             if self.prompt_lookup_min > self.prompt_lookup_max:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be "
                                  f"<= prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.prompt_lookup_table is not None and self.method != "ngram":
+            raise ValueError(f"speculative_config.prompt_lookup_table is for method 'ngram', not "
+                             f"{self.method!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"speculative_config.disable_by_batch_size = {self.disable_by_batch_size}: "
                              "must be >= 1")

@@ -1,5 +1,6 @@
-"""Draft proposers on the device: prompt lookup (n-gram) over the token history, and a draft model
-run by ``lax.scan`` over its own paged cache on the target's block tables."""
+"""Draft proposers on the device: prompt lookup (n-gram) over the token history, with a corpus
+n-gram table as its fallback (``sfjax.spec.table``), and a draft model run by ``lax.scan`` over its
+own paged cache on the target's block tables."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sfjax.spec import table as T
 
-def ngram(history, slots, length, k: int, n_min: int, n_max: int):
+
+def ngram(history, slots, length, k: int, n_min: int, n_max: int, table: T.NgramTable | None = None):
     """Prompt lookup: for each row, the longest suffix n-gram (n_max down to n_min) of its tokens
-    [0, length) that occurred earlier, and the k tokens that followed its latest occurrence.
+    [0, length) that occurred earlier, and the k tokens that followed its latest occurrence; a row
+    with no match takes the ``table``'s continuation of its last two tokens, if given.
 
     Args:
       history: int32 [max_seqs, L] tokens by position; slots, length: int32 [S].
@@ -33,4 +37,11 @@ def ngram(history, slots, length, k: int, n_min: int, n_max: int):
     idx = jnp.clip(best_start[:, None] + jnp.arange(k)[None, :], 0, width - 1)
     drafts = jnp.take_along_axis(hist, idx, axis=1)
     available = jnp.where(best_start >= 0, jnp.clip(length - best_start, 0, k), 0)
+    if table is not None:
+        at = lambda i: jnp.take_along_axis(hist, jnp.clip(i, 0, width - 1)[:, None], axis=1)[:, 0]
+        prev = jnp.where(length >= 2, at(length - 2), -1)
+        t_drafts, t_available = T.lookup(table, prev, at(length - 1), k)
+        none = best_start < 0
+        drafts = jnp.where(none[:, None], t_drafts, drafts)
+        available = jnp.where(none & (length >= 1), t_available, available)
     return drafts, available.astype(jnp.int32)

@@ -130,7 +130,7 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
     vrows = _rows(batch.sampling, start + jnp.arange(s) * k1)              # verify row j = 0
     if rc.method == "ngram":
         drafts, available = proposers.ngram(history, spec.slots, spec.length, rc.k_max,
-                                            rc.ngram_min, rc.ngram_max)
+                                            rc.ngram_min, rc.ngram_max, table=draft_weights)
         k = jnp.minimum(spec.k, available)
         logq = None
         if rc.acceptance == "rejection_sampler":      # a proposal is a point mass

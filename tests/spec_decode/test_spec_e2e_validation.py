@@ -21,6 +21,8 @@ def small_vocab_draft(model_folder):
     (dict(acceptance_method="nope"), "acceptance_method"),
     (dict(method="ngram", prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min"),
     (dict(method="ngram", prompt_lookup_min=0), "prompt_lookup_min"),
+    (dict(prompt_lookup_table="table.safetensors"), "prompt_lookup_table"),    # draft_model
+    (dict(method="ngram", prompt_lookup_table="/no/such/table.safetensors"), "prompt_lookup_table"),
     (dict(disable_by_batch_size=0), "disable_by_batch_size"),
     (dict(num_speculative_tokens=3, bogus=1), "bogus"),
     (dict(model=None), "model"),
