@@ -258,6 +258,12 @@ def write_ngram_table(tok: Tokenizer, texts: list[str], path: str) -> None:
     print(f"n-gram table: {t.keys.shape[0]} two-token contexts, {tok.get_vocab_size()} tokens -> {path}")
 
 
+TABLE_CARD = (
+    "`ngram_table.safetensors`: the training files' n-gram table (prompt lookup's fallback,\n"
+    "`speculative_config.prompt_lookup_table`); the same script writes it, and `--table-only` rewrites\n"
+    "just it (seconds), from this folder's tokenizer.\n\n")
+
+
 def model_card(role: str, cfg: ModelConfig, run: Run, metrics: dict, command: str) -> str:
     return (
         f"# sfjax demo {role}\n\n"
@@ -266,6 +272,7 @@ def model_card(role: str, cfg: ModelConfig, run: Run, metrics: dict, command: st
         f"context {cfg.max_position_embeddings}) trained on CPU on the .py files of Python "
         f"{sys.version.split()[0]}'s standard library; bfloat16 tensors, served in float32.\n\n"
         f"Made by (seed {run.seed}):\n\n    {command}\n\n"
+        + (TABLE_CARD if role == "target" else "")
         + "".join(f"- {k}: {v:.4g}\n" if isinstance(v, float) else f"- {k}: {v}\n"
                   for k, v in metrics.items()))
 

@@ -19,6 +19,11 @@ def default_draft_path() -> str:
     return os.path.join(DEFAULT_DIR, "draft")
 
 
+def default_ngram_table_path() -> str:
+    """The embedded target's corpus n-gram table (``speculative_config.prompt_lookup_table``)."""
+    return os.path.join(default_model_path(), "ngram_table.safetensors")
+
+
 def default_speculative_config(num_speculative_tokens: int = 4) -> dict:
     """``speculative_config`` for the embedded draft."""
     return {"method": "draft_model", "model": default_draft_path(),
