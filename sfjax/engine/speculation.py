@@ -13,9 +13,9 @@ from sfjax import model, sharding
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled
+from sfjax.spec import table
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry, Strategy
-from sfjax.spec import table
 from sfjax.spec.round import RoundConfig, SpecBatch
 from sfjax.weights import Weights
 

@@ -114,9 +114,10 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
               spec: SpecBatch, *, cfg: ModelConfig, dcfg: ModelConfig | None, rc: RoundConfig,
               row_tile: int, sampler: str = "auto", attention: str = "auto", mesh=None,
               draft_mesh=None):
-    """One round for every slot. DONATES ``state`` and ``draft_cache``. On a ``mesh`` the models
-    run under ``shard_map`` (the draft on ``draft_mesh``: the same devices, maybe a smaller
-    tensor-parallel size) and everything else on whole arrays.
+    """One round for every slot. DONATES ``state`` and ``draft_cache``. ``draft_weights``: the
+    draft model's, or for ``ngram`` its corpus n-gram table (``sfjax.spec.table``) or None. On a
+    ``mesh`` the models run under ``shard_map`` (the draft on ``draft_mesh``: the same devices,
+    maybe a smaller tensor-parallel size) and everything else on whole arrays.
 
     Logit rows: the plain step's (prefill completions, prompt logprobs), then from
     ``spec.verify_start`` the S * (K + 1) verify rows, slot-major, live slots first. Returns (state, draft_cache, drawn [R],
