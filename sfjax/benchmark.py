@@ -10,8 +10,10 @@ arrives at t = 0; at most ``max_num_seqs`` run at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -115,12 +117,13 @@ def report(r: dict, title: str = "Serving Benchmark Result") -> str:
     return "\n".join(lines)
 
 
-def run_hf(model_path: str, work: Workload, temperature: float, modes: dict[str, dict],
-           repeats: int = 1) -> dict:
+def hf_passes(model_path: str, work: Workload, temperature: float,
+              modes: dict[str, dict]) -> dict[str, Callable[[], dict]]:
     """HF transformers ``generate`` over the same prompt ids, one request at a time (assisted
-    generation takes batch 1), per mode ({name: generate kwargs}): a warm-up pass, then the
-    fastest of ``repeats`` timed passes. Returns {name: result} with duration, output tokens and
-    token ids. Imports torch: only for ``--compare-hf``."""
+    generation takes batch 1), per mode ({name: generate kwargs}): after one warm-up pass each,
+    {name: a function running one timed pass}, which returns its duration, output tokens and
+    token ids. The caller interleaves them with its own passes, so a slow spell of the machine
+    falls on both sides of a ratio. Imports torch: only for ``--compare-hf``."""
     try:
         import torch
         from transformers import LlamaForCausalLM
@@ -128,24 +131,23 @@ def run_hf(model_path: str, work: Workload, temperature: float, modes: dict[str,
         raise ValueError(f"--compare-hf needs torch and transformers installed ({e})") from None
     load = lambda p: LlamaForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
     model = load(model_path)
+    sample = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+
+    def one_pass(kw):
+        t0, toks = time.monotonic(), []
+        for p, n in zip(work.prompt_ids, work.max_tokens):
+            x = torch.tensor([p])
+            with torch.inference_mode():
+                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                   min_new_tokens=n, pad_token_id=0, **sample, **kw)
+            toks.append(y[0, len(p):].tolist())
+        return {"duration": time.monotonic() - t0, "tokens": toks, "output_tokens": sum(map(len, toks))}
+
     out = {}
     for name, kw in modes.items():
         kw = dict(kw)
         if "assistant_model" in kw:
             kw["assistant_model"] = load(kw["assistant_model"])
-        runs = []
-        for attempt in range(1 + repeats):             # the first pass warms torch up
-            t0, toks = time.monotonic(), []
-            for p, n in zip(work.prompt_ids, work.max_tokens):
-                x = torch.tensor([p])
-                sample = dict(do_sample=True, temperature=temperature) if temperature > 0 else \
-                    dict(do_sample=False)
-                with torch.inference_mode():
-                    y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                                       min_new_tokens=n, pad_token_id=0, **sample, **kw)
-                toks.append(y[0, len(p):].tolist())
-            runs.append((time.monotonic() - t0, toks))
-        duration, toks = min(runs[1:], key=lambda r: r[0])
-        out[name] = {"duration": duration, "tokens": toks,
-                     "output_tokens": sum(map(len, toks))}
+        one_pass(kw)                                      # warms torch up
+        out[name] = functools.partial(one_pass, kw)
     return out

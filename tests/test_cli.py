@@ -17,8 +17,8 @@ def test_generate_json_with_speculation(tiny_folder, capsys):
 
 
 def test_bench_prints_vllm_labels_and_compares_with_hf(tiny_folder, capsys):
-    assert main(["bench", "--model", tiny_folder, "--num-prompts", "3", "--input-len", "8", "--repeats", "1",
-                 "--output-len", "5", "--max-num-seqs", "2", "--compare-hf"]) == 0
+    assert main(["bench", "--model", tiny_folder, "--num-prompts", "3", "--input-len", "8", "--repeats", "2",
+                 "--output-len", "5", "--max-num-seqs", "2", "--compare-hf"]) == 0     # interleaved
     text = capsys.readouterr().out
     for label in ("Successful requests:", "Benchmark duration (s):", "Total token throughput (tok/s):",
                   "Output token throughput (tok/s):", "Mean TTFT (ms):", "Median TTFT (ms):",
