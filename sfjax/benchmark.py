@@ -4,7 +4,8 @@ same prompts through HF transformers in the same run (``--compare-hf``).
 Definitions follow vLLM's benchmark: TTFT is a request's first token time less its arrival; TPOT
 is (latency - TTFT) / (output tokens - 1); ITL pools the gaps between a request's successive
 token deliveries (a speculative round delivers several tokens at once: one gap). Every request
-arrives at t = 0; at most ``max_num_seqs`` run at once.
+arrives at t = 0; at most ``max_num_seqs`` run at once. With ``--compare-hf`` the timed passes
+take turns (sfjax, then each HF mode, ``--repeats`` times over) and each side's fastest is reported.
 """
 
 from __future__ import annotations
