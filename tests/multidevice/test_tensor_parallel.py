@@ -46,8 +46,10 @@ def test_sharded_equals_one_device(engines, reference, tp, dp):
     assert _ids(engines(tp, dp)) == reference
 
 
-@pytest.mark.parametrize("tp, dp, draft_tp", [(tp, dp, None) for tp, dp in MESHES] + [(4, 1, 1),
-                                                                                    (4, 2, 1)])
+# the engines the other tests build anyway: KV heads sharded (tp 4) and replicated (tp 8), over
+# one and two data shards, the draft sharded like the target or whole (draft tp 1)
+@pytest.mark.parametrize("tp, dp, draft_tp", [(4, 1, None), (8, 1, None), (4, 2, None), (4, 1, 1),
+                                              (4, 2, 1)])
 def test_speculation_sharded_equals_one_device(engines, reference, tp, dp, draft_tp):
     llm = engines(tp, dp, spec=True, draft_tp=draft_tp)       # path-exact: plain decoding's tokens
     assert _ids(llm) == reference
