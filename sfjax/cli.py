@@ -183,6 +183,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-small-row-tiles", action="store_true",
                    help="run every step in tiles of 8 rows, also where a tile of 2 or 4 is "
                         "certified to keep the bits (CPU)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="XLA:CPU's intra-op threads (default: one per core). At batch 1 on a "
+                        "small model 1 is faster: the host thread then has a core of its own")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": "path/to/draft", '
@@ -238,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     try:
+        if getattr(args, "cpu_threads", None) is not None:
+            from sfjax.platform import limit_cpu_threads
+            limit_cpu_threads(args.cpu_threads)
         return args.run(args)
     except (ValueError, OSError) as e:   # json.JSONDecodeError is a ValueError
         print(f"sfjax {args.command}: error: {e}", file=sys.stderr)

@@ -43,6 +43,7 @@ def test_bench_json_reports_acceptance(tiny_folder, capsys):
     (["generate", "x", "--speculative-config", "{bad json"], "Expecting property name"),
     (["generate", "x", "--speculative-config", "[1]"], "must be a JSON object"),
     (["generate"], "no prompts"),
+    (["generate", "x", "--cpu-threads", "0"], "cpu_threads: 0 is not an int in 1.."),
 ])
 def test_errors_are_one_line_and_exit_2(argv, message, capsys, tiny_folder):
     if "--model" not in argv:
