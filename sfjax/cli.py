@@ -118,7 +118,9 @@ def _bench(args) -> int:
         result["hf"] = hf
         ours = r["output_tokens"] / r["duration"]
         if not args.json:
+            import torch                                  # hf_passes imported it
             print(f"{' HF transformers (batch 1, same prompt ids) ':=^50}")
+            print(f"{'torch threads:':<40}{torch.get_num_threads()}")
             for name, h in hf.items():
                 rate = h["output_tokens"] / h["duration"]
                 print(f"{f'HF {name} (tok/s):':<40}{rate:<10.2f} sfjax / HF: {ours / rate:.2f}x")
