@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     try:
         if getattr(args, "cpu_threads", None) is not None:
-            from sfjax.platform import limit_cpu_threads
+            from sfjax.cpu import limit_cpu_threads
             limit_cpu_threads(args.cpu_threads)
         return args.run(args)
     except (ValueError, OSError) as e:   # json.JSONDecodeError is a ValueError

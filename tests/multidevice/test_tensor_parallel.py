@@ -46,8 +46,8 @@ def test_sharded_equals_one_device(engines, reference, tp, dp):
     assert _ids(engines(tp, dp)) == reference
 
 
-# the engines the other tests build anyway: KV heads sharded (tp 4) and replicated (tp 8), over
-# one and two data shards, the draft sharded like the target or whole (draft tp 1)
+# KV heads sharded (tp 4) and replicated (tp 8), over one and two data shards, the draft sharded
+# like the target or whole (draft tp 1); the tp 4 engines are built for other tests anyway
 @pytest.mark.parametrize("tp, dp, draft_tp", [(4, 1, None), (8, 1, None), (4, 2, None), (4, 1, 1),
                                               (4, 2, 1)])
 def test_speculation_sharded_equals_one_device(engines, reference, tp, dp, draft_tp):

@@ -1,4 +1,4 @@
-"""``sfjax.platform.limit_cpu_threads``: XLA:CPU's pool on fewer cores, started before the backends,
+"""``sfjax.cpu.limit_cpu_threads``: XLA:CPU's pool on fewer cores, started before the backends,
 gives the tokens of the default pool; bad values and a late call are refused."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sfjax import LLM, SamplingParams
-from sfjax.platform import limit_cpu_threads
+from sfjax.cpu import limit_cpu_threads
 
 PROMPTS = [{"prompt_token_ids": [7, 300, 12, 45, 99]}, {"prompt_token_ids": [5, 9, 11] * 3}]
 PARAMS = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
@@ -20,11 +20,11 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
 # each thread's cores.
 CHILD = """
 import json, os, sys
-from sfjax.platform import limit_cpu_threads
+from sfjax.cpu import limit_cpu_threads
 limit_cpu_threads(1)
 from sfjax import LLM, SamplingParams
 sys.path.insert(0, {tests!r})
-from test_platform import PROMPTS, PARAMS, SPEC
+from test_cpu import PROMPTS, PARAMS, SPEC
 ids = [o.outputs[0].token_ids for o in LLM({folder!r}, max_num_seqs=2, max_model_len=64,
        speculative_config=SPEC).generate(PROMPTS, PARAMS, use_tqdm=False)]
 cores = {{t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}}

@@ -1,4 +1,4 @@
-"""Process-level settings, which must come before JAX starts its backends.
+"""XLA:CPU's thread pool, which is sized when JAX starts its backends.
 
 XLA:CPU runs an executable's thunks and splits its GEMMs over an intra-op thread pool sized, when
 the backend starts, by the cores the starting thread may run on (there is no option for it). At
@@ -26,7 +26,7 @@ def limit_cpu_threads(threads: int) -> None:
 
     Call it once, before anything touches a JAX device (``sfjax generate --cpu-threads``). It sets
     no bits: the certified row tiles and every exactness check run in the same process, and the
-    pool's size changes no token (tests/test_platform.py). Linux only (``os.sched_setaffinity``).
+    pool's size changes no token (tests/test_cpu.py). Linux only (``os.sched_setaffinity``).
 
     Raises ValueError for a ``threads`` outside 1..cores, RuntimeError once the backends run.
     """
