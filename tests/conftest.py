@@ -30,6 +30,18 @@ if jax.default_backend() == "cpu":
 
 from sfjax import toy  # noqa: E402
 
+# The files that take longest (``--durations``, summed per file) go first: pytest-xdist hands
+# out whole files in collection order (``--no-loadscope-reorder``, pyproject.toml), and a long
+# file handed out last keeps one worker busy while the other idles.
+SLOW_FILES = ("test_serving.py", "test_spec_e2e_draft.py", "test_sharding.py", "test_rounds.py",
+              "test_hf_parity.py", "test_docs.py", "test_prefix_cache.py", "test_engine.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))      # stable
+
+
 # tests/multidevice needs 8 fake devices: tests/test_sharding.py runs it in a subprocess
 collect_ignore = [] if os.environ.get("SFJAX_MULTIDEVICE") else ["multidevice"]
 
