@@ -21,7 +21,8 @@ def _backends_started() -> bool:
 
 def limit_cpu_threads(threads: int) -> None:
     """Starts JAX's backends with XLA:CPU's intra-op pool of ``threads`` threads, on the last
-    ``threads`` of the cores this thread may run on (``start_backends_on``).
+    ``threads`` of the cores this thread may run on; afterwards this thread (and the threads it
+    starts later, torch's among them) may run on all of them again.
 
     Call it once, before anything touches a JAX device (``sfjax generate --cpu-threads``). It sets
     no bits: the certified row tiles and every exactness check run in the same process, and the
@@ -29,38 +30,19 @@ def limit_cpu_threads(threads: int) -> None:
 
     Raises ValueError for a ``threads`` outside 1..cores, RuntimeError once the backends run.
     """
-    cores = _cores()
+    if not hasattr(os, "sched_setaffinity"):
+        raise RuntimeError("cpu_threads: this platform can't set thread affinity (Linux only)")
+    cores = sorted(os.sched_getaffinity(0))
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= len(cores):
         raise ValueError(f"cpu_threads: {threads!r} is not an int in 1..{len(cores)} (the cores "
                          f"this process may run on)")
-    start_backends_on(cores[-threads:])
-
-
-def start_backends_on(cores) -> None:
-    """Starts JAX's backends with XLA:CPU's pool of one thread per core of ``cores`` (a subset of
-    the cores this thread may run on), its threads pinned there; afterwards this thread (and the
-    threads it starts later, torch's among them) may run on all its cores again. Two processes
-    sharing a machine can each take their own cores (the test suite's workers do).
-
-    Raises ValueError for cores this thread may not use, RuntimeError once the backends run.
-    """
-    allowed = _cores()
-    cores = sorted(set(cores))
-    if not cores or not set(cores) <= set(allowed):
-        raise ValueError(f"cpu_threads: cores {cores} are not a non-empty subset of {allowed}")
     if _backends_started():
         raise RuntimeError("cpu_threads: JAX's backends already started; limit the threads before "
                            "the first use of a JAX device")
     import jax
 
-    os.sched_setaffinity(0, cores)
+    os.sched_setaffinity(0, cores[-threads:])
     try:
         jax.devices()
     finally:
-        os.sched_setaffinity(0, allowed)
-
-
-def _cores() -> list[int]:
-    if not hasattr(os, "sched_setaffinity"):
-        raise RuntimeError("cpu_threads: this platform can't set thread affinity (Linux only)")
-    return sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cores)

@@ -6,17 +6,6 @@ import tempfile
 import jax
 import pytest
 
-from sfjax.cpu import start_backends_on
-
-# Each xdist worker's XLA:CPU pool on its own share of the cores: two workers with a pool on every
-# core each would contend for both, and small steps run faster on a pool of one thread anyway
-# (sfjax.cpu). The pool's size changes no token. Subprocesses start their own pools on every core.
-_WORKER, _WORKERS = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-if _WORKER and _WORKERS and hasattr(os, "sched_setaffinity"):
-    _cores, _n, _i = sorted(os.sched_getaffinity(0)), int(_WORKERS), int(_WORKER.lstrip("gw"))
-    if len(_cores) >= _n:
-        start_backends_on(_cores[_i * len(_cores) // _n:(_i + 1) * len(_cores) // _n])
-
 _CACHE_DIR = tempfile.mkdtemp(prefix="sfjax-jit-cache-")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

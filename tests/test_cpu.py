@@ -9,21 +9,19 @@ import sys
 import pytest
 
 from sfjax import LLM, SamplingParams
-from sfjax.cpu import limit_cpu_threads, start_backends_on
+from sfjax.cpu import limit_cpu_threads
 
 PROMPTS = [{"prompt_token_ids": [7, 300, 12, 45, 99]}, {"prompt_token_ids": [5, 9, 11] * 3}]
 PARAMS = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
           SamplingParams(temperature=0.8, seed=4, max_tokens=10, ignore_eos=True)]
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
 
-# A fresh process: a pool of one thread if this process has XLA's default one, else the default
-# (under xdist, tests/conftest.py gave this one a pool on its own core); decode (speculating:
-# tiles of 2, 4 and 8 rows), report each thread's cores.
+# A fresh process: limit the pool, decode (speculating: tiles of 2, 4 and 8 rows), report
+# each thread's cores.
 CHILD = """
 import json, os, sys
 from sfjax.cpu import limit_cpu_threads
-if {limit}:
-    limit_cpu_threads(1)
+limit_cpu_threads(1)
 from sfjax import LLM, SamplingParams
 sys.path.insert(0, {tests!r})
 from test_cpu import PROMPTS, PARAMS, SPEC
@@ -35,11 +33,9 @@ print(json.dumps({{"ids": ids, "cores": cores, "main": sorted(os.sched_getaffini
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
-def test_a_one_thread_pool_gives_the_default_pools_tokens(tiny_folder):
+def test_one_thread_pool_gives_the_default_pools_tokens(tiny_folder):
     here = os.path.dirname(os.path.abspath(__file__))
-    limit = not os.environ.get("PYTEST_XDIST_WORKER")           # the other pool than this one's
-    run = subprocess.run([sys.executable, "-c", CHILD.format(tests=here, folder=tiny_folder,
-                                                             limit=limit)],
+    run = subprocess.run([sys.executable, "-c", CHILD.format(tests=here, folder=tiny_folder)],
                          capture_output=True, text=True, cwd=os.path.dirname(here))
     assert run.returncode == 0, run.stderr[-3000:]
     child = json.loads(run.stdout.strip().splitlines()[-1])
@@ -49,7 +45,7 @@ def test_a_one_thread_pool_gives_the_default_pools_tokens(tiny_folder):
     assert child["ids"] == ids
     everything = sorted(os.sched_getaffinity(0))
     assert child["main"] == everything                      # the caller keeps all its cores
-    if limit and len(everything) > 1:                       # the threads JAX started: the last core
+    if len(everything) > 1:                                 # the threads JAX started: the last one
         assert [everything[-1]] in child["cores"].values()
 
 
@@ -64,12 +60,3 @@ def test_a_call_after_the_backends_started_is_refused():
     jax.devices()
     with pytest.raises(RuntimeError, match="already started"):
         limit_cpu_threads(1)
-    with pytest.raises(RuntimeError, match="already started"):
-        start_backends_on(sorted(os.sched_getaffinity(0))[:1])
-
-
-def test_cores_outside_the_allowed_set_are_refused():
-    with pytest.raises(ValueError, match=r"cpu_threads: cores \[\] are not a non-empty subset"):
-        start_backends_on([])
-    with pytest.raises(ValueError, match="are not a non-empty subset"):
-        start_backends_on([max(os.sched_getaffinity(0)) + 1])
