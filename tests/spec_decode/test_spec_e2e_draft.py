@@ -1,5 +1,5 @@
 """Draft-model speculation equals plain decoding token for token: draft kinds (the target itself,
-a near copy, another seed, a larger model), k = 1..9 and 63, batch sizes 1..64, block sizes."""
+a near copy, another seed, a larger model), k at every row-tile boundary and 63, batch sizes 1..64, block sizes."""
 
 import pytest
 
@@ -16,7 +16,9 @@ def check_counters(d, k):
     assert d["num_drafts"] <= d["num_draft_tokens"] <= k * d["num_drafts"]
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+# k + 1 verify rows: a tile of 2 (k 1), of 4 partly and wholly filled (2, 3), of 8 likewise (4, 7),
+# and two tiles of 8 (8); k 63 below
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 7, 8])
 def test_k_sweep_equals_plain_at_batch_1(spec_llm, plain_llm, k):
     params = [greedy()] + sampled(4, seed=10 * k)
     ref = one_by_one(plain_llm, SHORT, params)
