@@ -11,10 +11,10 @@
 4. The draft, a smaller Llama distilled from the target: KL(target || draft) over the vocabulary.
 5. Held-out loss of both, and the draft's greedy agreement with the target on held-out text
    (the expected acceptance rate of one greedy draft token), written to the folders' README.md.
-6. The training files' n-gram table (``sfjax.spec.table``: the most frequent 3-token continuation
-   of each frequent 2-token context and of each token), the prompt-lookup proposer's fallback,
-   as ``target/ngram_table.safetensors``. ``--table-only`` rebuilds just this from the folder's
-   tokenizer (seconds).
+6. The n-gram draft table (``sfjax.spec.table``), the prompt-lookup proposer's fallback, as
+   ``target/ngram_table.safetensors``: the shipped target's greedy next token at each position of
+   every 8th training sequence, counted by context (the last token, the last two), chained 4 tokens
+   deep. ``--table-only`` rebuilds just this from the folder's target and tokenizer (a minute).
 
 The forward is a dense causal Llama over sfjax's ``Weights`` pytree (sfjax's own RMSNorm and
 RoPE), so the trained arrays go straight to ``weights.save_hf``; ``tests/test_demo_model.py``
@@ -53,7 +53,8 @@ from sfjax.spec import table as ngram_table
 
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 HELD_OUT_EVERY = 20
-NGRAM_WIDTH, NGRAM_MIN_COUNT = 3, 2      # the table's continuation length; a bigram's min. count
+NGRAM_WIDTH, NGRAM_MIN_COUNT = 4, 2      # the table's continuation length; a bigram's min. count
+NGRAM_EVERY = 8                          # the table counts every 8th training sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,18 +251,30 @@ def save_folder(path: str, cfg: ModelConfig, w: W.Weights, tok: Tokenizer, card:
     os.chmod(os.path.join(path, "model.safetensors"), 0o644)   # safetensors writes it 0600
 
 
-def write_ngram_table(tok: Tokenizer, texts: list[str], path: str) -> None:
-    """The training files' n-gram table, file by file, as ``sfjax.spec.table.build`` counts it."""
-    t = ngram_table.build((e.ids for e in tok.encode_batch(texts)), tok.get_vocab_size(),
-                          NGRAM_WIDTH, NGRAM_MIN_COUNT)
+def write_ngram_table(target: str, seqs: np.ndarray, batch: int = 32) -> None:
+    """The n-gram draft table of the target folder's model, in ``target``: its greedy next token
+    at each position of every ``NGRAM_EVERY``-th sequence of ``seqs`` (the weights as shipped,
+    served in float32), counted by ``sfjax.spec.table.build``."""
+    cfg = ModelConfig.from_folder(target)
+    w = W.load_hf(target, cfg)
+    seqs = seqs[::NGRAM_EVERY]
+    greedy = jax.jit(lambda w, x: jnp.argmax(forward(w, x, cfg), axis=-1).astype(jnp.int32))
+    preds = np.zeros_like(seqs)
+    for i in tqdm(range(0, len(seqs), batch), desc="n-gram table", unit="batch"):
+        x = seqs[i:i + batch]
+        pad = np.zeros((batch - len(x), seqs.shape[1]), seqs.dtype)    # one compiled shape
+        preds[i:i + batch] = np.asarray(greedy(w, np.concatenate([x, pad])))[:len(x)]
+    t = ngram_table.build(seqs, cfg.vocab_size, NGRAM_WIDTH, NGRAM_MIN_COUNT, predictions=preds)
+    path = os.path.join(target, ngram_table.TABLE_FILE)
     ngram_table.save(t, path)
-    print(f"n-gram table: {t.keys.shape[0]} two-token contexts, {tok.get_vocab_size()} tokens -> {path}")
+    print(f"n-gram table: {t.keys.shape[0]} two-token contexts, {cfg.vocab_size} tokens -> {path}")
 
 
 TABLE_CARD = (
-    "`ngram_table.safetensors`: the training files' n-gram table (prompt lookup's fallback,\n"
-    "`speculative_config.prompt_lookup_table`); the same script writes it, and `--table-only` rewrites\n"
-    "just it (seconds), from this folder's tokenizer.\n\n")
+    "`ngram_table.safetensors`: this model's n-gram draft table (prompt lookup's fallback,\n"
+    "`speculative_config.prompt_lookup_table`): its own greedy next tokens on every 8th training\n"
+    "sequence, by context, chained 4 deep. The same script writes it, and `--table-only` rewrites\n"
+    "just it (a minute).\n\n")
 
 
 def model_card(role: str, cfg: ModelConfig, run: Run, metrics: dict, command: str) -> str:
@@ -285,15 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a tiny run of a few seconds")
     parser.add_argument("--table-only", action="store_true",
-                        help="only (re)write OUT/target's n-gram table, with OUT/target's tokenizer")
+                        help="only (re)write OUT/target's n-gram table, from OUT/target's model and tokenizer")
     args = parser.parse_args(argv)
     run = dataclasses.replace(SMOKE if args.smoke else FULL, seed=args.seed)
     if args.table_only:
         root, files = corpus_files(run.max_files)
         texts = read_texts(root, [f for i, f in enumerate(files) if i % HELD_OUT_EVERY])
         target = os.path.join(args.out, "target")
-        write_ngram_table(Tokenizer.from_file(os.path.join(target, "tokenizer.json")), texts,
-                          os.path.join(target, ngram_table.TABLE_FILE))
+        tok = Tokenizer.from_file(os.path.join(target, "tokenizer.json"))
+        write_ngram_table(target, pack(tok, texts, run.seq_len))
         return 0
     command = "python " + shlex.join(["scripts/train_demo.py", *(argv if argv is not None else sys.argv[1:])])
     t0 = time.perf_counter()
@@ -331,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     for role, cfg, w in (("target", run.target, target_w), ("draft", run.draft, draft_w)):
         save_folder(os.path.join(args.out, role), cfg, w, tok,
                     model_card(role, cfg, run, metrics, command))
-    write_ngram_table(tok, train_texts, os.path.join(args.out, "target", ngram_table.TABLE_FILE))
+    write_ngram_table(os.path.join(args.out, "target"), seqs)
     print(json.dumps(metrics, indent=2))
     return 0
 

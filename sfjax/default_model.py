@@ -20,7 +20,8 @@ def default_draft_path() -> str:
 
 
 def default_ngram_table_path() -> str:
-    """The embedded target's corpus n-gram table (``speculative_config.prompt_lookup_table``)."""
+    """The embedded target's n-gram draft table (``speculative_config.prompt_lookup_table``),
+    distilled from the target's greedy tokens on its training files."""
     return os.path.join(default_model_path(), "ngram_table.safetensors")
 
 

@@ -26,6 +26,7 @@ from test_hf_parity import (MIN_LOGIT_STD, MIN_MARGIN, PARITY_TOL, hf_greedy, hf
                             sfjax_logits, top2_margins, trajectory_logits)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
+import code_prompts  # noqa: E402
 import train_demo  # noqa: E402
 
 FOLDERS = {"target": default_model_path(), "draft": default_draft_path()}
@@ -102,7 +103,7 @@ def test_the_target_learned_python_and_the_draft_follows_it(held_out_prompts):
 
 
 def test_the_ngram_table_ships_and_drafts_where_lookup_cannot(default_llm, held_out_prompts):
-    """The target's corpus n-gram table loads with its vocabulary; prompt lookup with it emits
+    """The target's n-gram draft table loads with its vocabulary; prompt lookup with it emits
     plain decoding's tokens, greedy and sampled, and drafts (and gets accepted) in more rounds
     than without it."""
     path = os.path.join(FOLDERS["target"], ngram_table.TABLE_FILE)
@@ -121,6 +122,21 @@ def test_the_ngram_table_ships_and_drafts_where_lookup_cannot(default_llm, held_
         counts[name] = llm.get_metrics()["spec_decode"]
     for field in ("num_drafts", "num_accepted_tokens"):
         assert counts["table"][field] > counts["lookup"][field], (field, counts)
+
+
+def test_benchmark_prompts_end_with_a_def_line_of_held_out_files(tmp_path):
+    """scripts/code_prompts.py: 240 characters each, ending with a function's ``def`` line, taken
+    from files the pair never trained on."""
+    root, files = train_demo.corpus_files(None)
+    held = "".join(train_demo.read_texts(root, files[::train_demo.HELD_OUT_EVERY]))
+    out = tmp_path / "p.jsonl"
+    assert code_prompts.main(["--out", str(out), "--count", "8"]) == 0
+    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    assert len(prompts) == 8 and len(set(prompts)) == 8
+    for p in prompts:
+        last = p.rstrip("\n").rsplit("\n", 1)[-1]
+        assert len(p) == 240 and last.lstrip().startswith("def ") and last.endswith(":") and p in held
+    assert code_prompts.code_prompts(2, start=7) == prompts[7:] + code_prompts.code_prompts(1, 8)
 
 
 def test_cli_default_generates_python_with_speculation(default_llm, capsys):
@@ -147,3 +163,9 @@ def test_train_demo_smoke_resumes_bit_for_bit(tmp_path):
         assert a == b
         hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "a" / role)
         assert hf.config.vocab_size == train_demo.SMOKE.vocab_size
+    table = tmp_path / "a" / "target" / ngram_table.TABLE_FILE     # --table-only: the same bytes
+    written = table.read_bytes()
+    table.unlink()
+    assert train_demo.main(["--smoke", "--out", str(tmp_path / "a"), "--ckpt-dir", str(ckpt),
+                            "--table-only"]) == 0
+    assert table.read_bytes() == written

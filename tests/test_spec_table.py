@@ -1,5 +1,6 @@
-"""The corpus n-gram table (sfjax.spec.table): what it keeps, its file, its lookup on the device,
-and the prompt-lookup proposer taking it only where the sequence's own tokens hold no match."""
+"""The n-gram draft table (sfjax.spec.table): what it counts and keeps, how it chains, its file,
+its lookup on the device, and the prompt-lookup proposer taking it only where the sequence's own
+tokens hold no match."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,19 +13,56 @@ V = 10
 CORPUS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [1, 6, 7, 2, 3], [4, 6, 7, 2, 3]]
 
 
-def test_build_keeps_the_most_frequent_continuation_of_frequent_contexts():
+def _as_dict(t):
+    return {int(k): tuple(v) for k, v in zip(np.asarray(t.keys), np.asarray(t.values).tolist())}
+
+
+def test_build_counts_next_tokens_keeps_frequent_contexts_and_chains():
     t = T.build(CORPUS, V, width=2, min_count=2)
-    got = {int(k): tuple(v) for k, v in zip(np.asarray(t.keys), np.asarray(t.values).tolist())}
-    # (5, 6) -> (7, 8) twice; (6, 7) -> (8, 9) twice, (2, 3) twice: the first seen wins the tie;
-    # (1, 6) and (4, 6) once each: dropped; (7, 8) -> (9 ...) has no 2-token continuation
-    assert got == {5 * V + 6: (7, 8), 6 * V + 7: (8, 9)}
+    # next token after (5, 6): 7 twice; after (6, 7): 8 twice, 2 twice (the tie: the smaller id);
+    # (7, 8) -> 9 and (7, 2) -> 3 twice each; (1, 6) and (4, 6) once each: dropped. Each
+    # continuation chains: (5, 6) -> 7, then (6, 7) -> 2; (7, 8) -> 9, then 9 has no entry (-1)
+    assert _as_dict(t) == {5 * V + 6: (7, 2), 6 * V + 7: (2, 3), 7 * V + 8: (9, -1),
+                           7 * V + 2: (3, -1)}
     assert np.all(np.diff(np.asarray(t.keys)) > 0)
-    uni = np.asarray(t.unigram)
-    assert tuple(uni[6]) == (7, 8) and tuple(uni[7]) == (8, 9) and tuple(uni[5]) == (6, 7)
-    assert (uni[0] == -1).all() and (uni[9] == -1).all()       # never followed by two tokens
+    uni = np.asarray(t.unigram).tolist()
+    # after 1 alone: 6, then (1, 6) was dropped, so 6 alone: 7
+    assert uni[5] == [6, 7] and uni[6] == [7, 2] and uni[7] == [2, 3] and uni[1] == [6, 7]
+    assert uni[8] == [9, -1] and uni[2] == [3, -1]
+    assert uni[0] == uni[3] == uni[9] == [-1, -1]             # never followed by a token
     again = T.build(CORPUS, V, width=2, min_count=2)
     for a, b in zip((t.unigram, t.keys, t.values), (again.unigram, again.keys, again.values)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_build_counts_a_models_predictions_when_given():
+    """A model's next-token predictions, not the corpus's own next tokens (which say 2 -> 3)."""
+    t = T.build([[1, 2, 3], [1, 2, 3]], V, width=2, min_count=2,
+                predictions=[[2, 4, 4], [2, 4, 5]])
+    assert _as_dict(t) == {1 * V + 2: (4, -1)}              # (2, 3) -> 4 or 5: once each, dropped
+    uni = np.asarray(t.unigram).tolist()
+    assert uni[1] == [2, 4] and uni[2] == [4, -1] and uni[3] == [4, -1]
+
+
+def test_continuations_are_what_the_device_lookup_chains_to():
+    """Each stored continuation is the one-token lookup applied again and again, as ``lookup``
+    does it on the device: the table is a chained n-gram model."""
+    rng = np.random.default_rng(0)
+    corpus = [rng.integers(0, 12, size=rng.integers(2, 40)).tolist() for _ in range(30)]
+    t = T.build(corpus, 13, width=4, min_count=2)            # 12: never seen, no entry
+    assert 0 < t.keys.shape[0] < 144
+    keys = np.asarray(t.keys)
+    for prev, last, want in ((keys // 13, keys % 13, np.asarray(t.values)),
+                             (np.full(13, -1), np.arange(13), np.asarray(t.unigram))):
+        got, alive = [], np.ones(len(last), bool)
+        for _ in range(4):
+            d, have = map(np.asarray, T.lookup(t, jnp.asarray(prev, jnp.int32),
+                                               jnp.asarray(last, jnp.int32), 1))
+            alive &= have[:] > 0
+            got.append(np.where(alive, d[:, 0], -1))
+            prev, last = last, d[:, 0]
+        np.testing.assert_array_equal(np.stack(got, 1), want)
+    assert (np.asarray(t.unigram)[12] == -1).all() and (np.asarray(t.unigram)[:12] >= 0).all()
 
 
 def test_build_refuses_bad_settings():
@@ -32,6 +70,12 @@ def test_build_refuses_bad_settings():
         T.build(CORPUS, V, width=0)
     with pytest.raises(ValueError, match="vocab_size"):
         T.build(CORPUS, 50_000)
+    with pytest.raises(ValueError, match="predictions must match"):
+        T.build([[1, 2, 3]], V, predictions=[[1, 2]])
+    with pytest.raises(ValueError, match=r"sequences hold ids outside 0\.\.9"):
+        T.build([[1, 12, 3]], V)
+    with pytest.raises(ValueError, match="predictions hold ids"):
+        T.build([[1, 2]], V, predictions=[[1, -1]])
 
 
 def test_file_round_trip_and_its_checks(tmp_path):
@@ -53,16 +97,17 @@ def test_file_round_trip_and_its_checks(tmp_path):
 
 def test_lookup_bigram_then_unigram_then_nothing():
     t = T.build(CORPUS, V, width=2, min_count=2)
-    prev = jnp.array([5, 1, -1, 0, 6], jnp.int32)
-    last = jnp.array([6, 6, 7, 0, 7], jnp.int32)
+    prev = jnp.array([5, 1, -1, 0, 6, 7], jnp.int32)
+    last = jnp.array([6, 6, 7, 0, 7, 8], jnp.int32)
     drafts, avail = map(np.asarray, T.lookup(t, prev, last, 3))
-    assert avail.tolist() == [2, 2, 2, 0, 2]                 # k = 3 > width 2: at most 2
-    assert drafts[:, :2].tolist() == [[7, 8], [7, 8], [8, 9], [0, 0], [8, 9]]
+    assert avail.tolist() == [2, 2, 2, 0, 2, 1]              # k = 3 > width 2: at most 2
+    assert drafts[:, :2].tolist() == [[7, 2], [7, 2], [2, 3], [0, 0], [2, 3], [9, 0]]
     assert (drafts[:, 2] == 0).all()
     d1, a1 = map(np.asarray, T.lookup(t, prev, last, 1))
-    assert a1.tolist() == [1, 1, 1, 0, 1] and d1[:, 0].tolist() == [7, 7, 8, 0, 8]
-    empty = T.build([[1, 2]], V, width=2, min_count=1)        # no bigram, no unigram entries
-    assert np.asarray(T.lookup(empty, prev, last, 2)[1]).tolist() == [0] * 5
+    assert a1.tolist() == [1, 1, 1, 0, 1, 1] and d1[:, 0].tolist() == [7, 7, 2, 0, 2, 9]
+    empty = T.build([[1, 2]], V, width=2, min_count=1)        # no bigram; one unigram (1 -> 2)
+    assert empty.keys.shape[0] == 0
+    assert np.asarray(T.lookup(empty, prev, last, 2)[1]).tolist() == [0] * 6
 
 
 def test_proposer_takes_the_table_only_without_a_match():
@@ -70,11 +115,11 @@ def test_proposer_takes_the_table_only_without_a_match():
     width = 12
     hist = np.zeros((3, width), np.int32)
     hist[0, :6] = [3, 4, 2, 3, 4, 2]     # last token 2 seen before: prompt lookup (-> 3 4 2)
-    hist[1, :4] = [9, 0, 5, 6]           # 6 is new: table (5, 6) -> 7 8 9
-    hist[2, :1] = [6]                    # one token: no match, no bigram: unigram 6 -> 7 8 9
+    hist[1, :4] = [9, 0, 5, 6]           # 6 is new: table (5, 6) -> 7, (6, 7) -> 2, (7, 2) -> 3
+    hist[2, :1] = [6]                    # one token: no match, no bigram: 6 alone -> 7, then 2 3
     length = jnp.array([6, 4, 1], jnp.int32)
     args = (jnp.asarray(hist), jnp.arange(3), length, 3, 1, 3)
     plain_d, plain_a = map(np.asarray, proposers.ngram(*args))
     drafts, avail = map(np.asarray, proposers.ngram(*args, table=t))
     assert plain_a.tolist() == [3, 0, 0] and avail.tolist() == [3, 3, 3]
-    assert drafts.tolist() == [plain_d[0].tolist(), [7, 8, 9], [7, 8, 9]]
+    assert drafts.tolist() == [plain_d[0].tolist(), [7, 2, 3], [7, 2, 3]]

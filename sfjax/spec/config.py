@@ -18,9 +18,9 @@ class SpeculativeConfig:
     acceptance_method: "exact" (default; path-exact: the tokens plain decoding would draw with
     the same keys), "rejection_sampler" (Leviathan/Chen; distribution-exact) or
     "typical_acceptance_sampler" (Medusa's rule; lossy: equal to plain decoding at temperature 0).
-    prompt_lookup_table: for "ngram", a corpus n-gram table (``sfjax.spec.table``; the embedded
-    target ships one) whose continuation of the last two tokens is the draft when the sequence's
-    own tokens hold no match.
+    prompt_lookup_table: for "ngram", an n-gram draft table (``sfjax.spec.table``; the embedded
+    target ships one, distilled from its own greedy tokens) whose continuation of the last two
+    tokens is the draft when the sequence's own tokens hold no match.
     max_model_len: the draft's limit; rows past it decode without speculation.
     draft_tensor_parallel_size: the draft's tensor-parallel size (dividing the target's; default
     the target's); the draft is replicated over the rest of the target's model axis.

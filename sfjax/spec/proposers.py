@@ -1,5 +1,5 @@
-"""Draft proposers on the device: prompt lookup (n-gram) over the token history, with a corpus
-n-gram table as its fallback (``sfjax.spec.table``), and a draft model run by ``lax.scan`` over its
+"""Draft proposers on the device: prompt lookup (n-gram) over the token history, with an n-gram
+draft table as its fallback (``sfjax.spec.table``), and a draft model run by ``lax.scan`` over its
 own paged cache on the target's block tables."""
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
               row_tile: int, sampler: str = "auto", attention: str = "auto", mesh=None,
               draft_mesh=None):
     """One round for every slot. DONATES ``state`` and ``draft_cache``. ``draft_weights``: the
-    draft model's, or for ``ngram`` its corpus n-gram table (``sfjax.spec.table``) or None. On a
+    draft model's, or for ``ngram`` its n-gram draft table (``sfjax.spec.table``) or None. On a
     ``mesh`` the models run under ``shard_map`` (the draft on ``draft_mesh``: the same devices,
     maybe a smaller tensor-parallel size) and everything else on whole arrays.
 

@@ -1,11 +1,14 @@
-"""A corpus n-gram table: the prompt-lookup proposer's fallback when a sequence's own tokens hold
-no match for its last token (a token new to the sequence, in code often a fresh name or idiom).
+"""An n-gram draft table: the prompt-lookup proposer's fallback when a sequence's own tokens hold
+no match (in code, often a fresh name or idiom).
 
-For each context of the last two tokens seen often enough in a corpus, the continuation of
-``width`` tokens that most often followed it; for each single last token, likewise. Built once from
-the corpus a model was trained on (``scripts/train_demo.py`` ships one beside the embedded target),
-stored as safetensors, and looked up on the device by binary search: a cheap frozen drafter with no
-forward pass. Like any proposer it only changes which drafts are verified, never the tokens.
+For each context of the last two tokens seen often enough, and for each single last token, the
+``width`` tokens a next-token model predicts from there, each prediction feeding the next context
+(a chained n-gram model). The predictions are counted on a corpus: by default each position's own
+next token (a corpus bigram model); better, the target model's greedy token at each position, so
+that the table drafts what the target itself would say (``scripts/train_demo.py`` ships such a
+table beside the embedded target). Stored as safetensors and looked up on the device by binary
+search: a frozen drafter with no forward pass. Like any proposer it only changes which drafts
+are verified, never the tokens.
 """
 
 from __future__ import annotations
@@ -40,31 +43,71 @@ class NgramTable:
 
 
 def build(sequences: Iterable[Sequence[int]], vocab_size: int, width: int = 3,
-          min_count: int = 5) -> NgramTable:
-    """The table of a corpus, as token id sequences. A context keeps its most frequent
-    continuation (ties: the one seen first); a two-token context only when that continuation was
-    seen at least ``min_count`` times. Deterministic for a given input order."""
+          min_count: int = 2, predictions: Iterable[Sequence[int]] | None = None) -> NgramTable:
+    """The table of a corpus of token id sequences.
+
+    Each context (a position's token, and the pair of it and the one before) keeps the prediction
+    it was most often followed by (ties: the smaller token id); a two-token context only when
+    that prediction was counted at least ``min_count`` times. ``predictions[i][j]`` is the token
+    a model predicts after ``sequences[i][:j + 1]`` (same lengths); by default the sequence's
+    own next token. A context's continuation then chains: each predicted token is looked up
+    after the last two (else the last one) as the engine looks up a row, until ``width`` tokens
+    or a token with no entry (-1 pads). Deterministic for a given input."""
     if width < 1 or min_count < 1:
         raise ValueError(f"ngram table: width ({width}) and min_count ({min_count}) must be >= 1")
     if vocab_size * vocab_size >= 2 ** 31:
         raise ValueError(f"ngram table: vocab_size {vocab_size} too large for int32 bigram keys")
-    one: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    two: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    for seq in sequences:
-        ids = [int(t) for t in seq]
-        for i in range(1, len(ids) - width + 1):
-            cont = tuple(ids[i:i + width])
-            one[ids[i - 1]][cont] += 1
-            if i >= 2:
-                two[ids[i - 2] * vocab_size + ids[i - 1]][cont] += 1
-    unigram = np.full((vocab_size, width), -1, np.int32)
-    for t, c in one.items():
-        unigram[t] = c.most_common(1)[0][0]
-    kept = sorted((key, c.most_common(1)[0]) for key, c in two.items())
-    kept = [(key, cont) for key, (cont, n) in kept if n >= min_count]
-    keys = np.array([key for key, _ in kept], np.int32).reshape(-1)
-    values = np.array([cont for _, cont in kept], np.int32).reshape(-1, width)
-    return NgramTable(unigram=unigram, keys=keys, values=values)
+    v = np.int64(vocab_size)
+    seqs = [np.asarray(q, np.int64).reshape(-1) for q in sequences]
+    if predictions is None:
+        preds = [q[1:] for q in seqs]
+        seqs = [q[:-1] for q in seqs]
+    else:
+        preds = [np.asarray(q, np.int64).reshape(-1) for q in predictions]
+        if len(preds) != len(seqs) or any(a.shape != b.shape for a, b in zip(seqs, preds)):
+            raise ValueError("ngram table: predictions must match the sequences' lengths")
+    empty = np.zeros(0, np.int64)
+    ctx1 = np.concatenate([empty, *seqs])
+    pred1 = np.concatenate([empty, *preds])
+    ctx2 = np.concatenate([empty, *(q[:-1] * v + q[1:] for q in seqs)])
+    pred2 = np.concatenate([empty, *(p[1:] for p in preds)])
+    for name, x in (("sequences", ctx1), ("predictions", pred1)):
+        if x.size and (x.min() < 0 or x.max() >= vocab_size):
+            raise ValueError(f"ngram table: {name} hold ids outside 0..{vocab_size - 1}")
+
+    def most_frequent(ctx, pred):
+        """(contexts ascending, their most frequent prediction, its count)."""
+        codes, counts = np.unique(ctx * v + pred, return_counts=True)
+        c, p = codes // v, codes % v
+        order = np.lexsort((p, -counts, c))                    # by context, count down, id up
+        first = order[np.r_[True, c[order][1:] != c[order][:-1]]] if codes.size else order
+        return c[first], p[first], counts[first]
+
+    k1, p1, _ = most_frequent(ctx1, pred1)
+    next1 = np.full(vocab_size, -1, np.int64)
+    next1[k1] = p1
+    keys, next2, n2 = most_frequent(ctx2, pred2)
+    keys, next2 = keys[n2 >= min_count], next2[n2 >= min_count]
+
+    def predict(prev, last):
+        """The table's next token after (prev, last) (prev < 0: after last alone); -1: none."""
+        key = np.where(prev >= 0, prev * v + last, -1)
+        at = np.clip(np.searchsorted(keys, key), 0, max(keys.size - 1, 0))
+        hit = (key >= 0) & (keys[at] == key) if keys.size else np.zeros(key.shape, bool)
+        return np.where(last < 0, -1, np.where(hit, next2[at] if keys.size else -1,
+                                               next1[np.maximum(last, 0)]))
+
+    def chain(prev, last):
+        out = []
+        for _ in range(width):
+            t = predict(prev, last)
+            out.append(t)
+            prev, last = np.where(t >= 0, last, -1), t
+        return np.stack(out, axis=1).astype(np.int32)
+
+    tokens = np.arange(vocab_size, dtype=np.int64)
+    return NgramTable(unigram=chain(np.full(vocab_size, -1, np.int64), tokens),
+                      keys=keys.astype(np.int32), values=chain(keys // v, keys % v))
 
 
 def save(table: NgramTable, path: str) -> None:
