@@ -1,6 +1,6 @@
 """Writes the code-completion prompts of the demo benchmarks (BENCHMARKS.md, issue 7) as JSON lines.
 
-    python scripts/code_prompts.py --out /tmp/code_prompts.jsonl            # the 8 benchmark prompts
+    python scripts/code_prompts.py --out /tmp/code_prompts.jsonl      # the 8 benchmark prompts
 
 Each prompt is the 240 characters ending with the first ``def ...:`` line of a held-out standard
 library file (``scripts/train_demo.py``'s split: every 20th corpus file, never trained on), in

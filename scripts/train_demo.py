@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a tiny run of a few seconds")
     parser.add_argument("--table-only", action="store_true",
-                        help="only (re)write OUT/target's n-gram table, from OUT/target's model and tokenizer")
+                        help="only (re)write OUT/target's n-gram table, from OUT/target's model "
+                             "and tokenizer")
     args = parser.parse_args(argv)
     run = dataclasses.replace(SMOKE if args.smoke else FULL, seed=args.seed)
     if args.table_only:

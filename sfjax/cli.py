@@ -168,7 +168,7 @@ def _convert(args) -> int:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model folder (default: the embedded model; generate then drafts with "
-                        "the embedded draft, k = 4, unless --speculative-config says otherwise)")
+                        "its n-gram table, k = 3, unless --speculative-config says otherwise)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)

@@ -25,7 +25,14 @@ def default_ngram_table_path() -> str:
     return os.path.join(default_model_path(), "ngram_table.safetensors")
 
 
-def default_speculative_config(num_speculative_tokens: int = 4) -> dict:
-    """``speculative_config`` for the embedded draft."""
-    return {"method": "draft_model", "model": default_draft_path(),
-            "num_speculative_tokens": num_speculative_tokens}
+def default_speculative_config(method: str = "ngram") -> dict:
+    """``speculative_config`` for the embedded target: ``"ngram"`` (the default of ``sfjax
+    generate``), prompt lookup of the last 3 tokens with the target's n-gram draft table, k = 3,
+    the fastest exact setting on CPU at T = 0 and T = 0.8 (BENCHMARKS.md); or ``"draft_model"``,
+    the embedded draft, k = 4."""
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3,
+                "prompt_lookup_max": 3, "prompt_lookup_table": default_ngram_table_path()}
+    if method == "draft_model":
+        return {"method": "draft_model", "model": default_draft_path(), "num_speculative_tokens": 4}
+    raise ValueError(f"method: {method!r} is not 'ngram' or 'draft_model'")

@@ -135,7 +135,8 @@ def test_benchmark_prompts_end_with_a_def_line_of_held_out_files(tmp_path):
     assert len(prompts) == 8 and len(set(prompts)) == 8
     for p in prompts:
         last = p.rstrip("\n").rsplit("\n", 1)[-1]
-        assert len(p) == 240 and last.lstrip().startswith("def ") and last.endswith(":") and p in held
+        assert len(p) == 240 and p in held
+        assert last.lstrip().startswith("def ") and last.endswith(":")
     assert code_prompts.code_prompts(2, start=7) == prompts[7:] + code_prompts.code_prompts(1, 8)
 
 
