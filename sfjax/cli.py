@@ -136,11 +136,14 @@ def _bench(args) -> int:
     return 0
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+# carried over as they are: the tokenizer, the generation config, and an n-gram draft table
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "ngram_table.safetensors")
 
 
 def _convert(args) -> int:
-    """An HF folder to an orbax export (config.json, tokenizer files, orbax/), or back."""
+    """An HF folder to an orbax export (config.json, tokenizer files, n-gram table, orbax/), or
+    back."""
     import os
     import shutil
 
@@ -158,7 +161,7 @@ def _convert(args) -> int:
         W.save_orbax(dst, cfg, W.load_hf(src, cfg))
     else:
         W.save_hf(dst, cfg, W.load_orbax(src, cfg))
-    for name in TOKENIZER_FILES:
+    for name in CARRIED_FILES:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), dst)
     print(f"wrote {'an orbax checkpoint' if to_orbax else 'an HF folder'} to {dst}")

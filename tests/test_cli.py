@@ -89,6 +89,21 @@ def test_convert_to_orbax_and_back(tiny_folder, tmp_path, capsys):
     assert "exists and is not empty" in capsys.readouterr().err
 
 
+def test_convert_carries_the_ngram_table(tiny_folder, tmp_path):
+    import shutil
+    from sfjax.config import ModelConfig
+    from sfjax.spec import table as T
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_folder, src)
+    vocab = ModelConfig.from_folder(tiny_folder).vocab_size
+    T.save(T.build([[1, 2, 3, 1, 2, 4]], vocab, min_count=1), str(src / T.TABLE_FILE))
+    assert main(["convert", str(src), str(tmp_path / "ckpt")]) == 0
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    for d in ("ckpt", "hf"):
+        assert (tmp_path / d / T.TABLE_FILE).read_bytes() == (src / T.TABLE_FILE).read_bytes()
+
+
 def test_orbax_checkpoint_of_another_config_is_refused(tiny_folder, tmp_path):
     from sfjax import toy
     from sfjax import weights as W

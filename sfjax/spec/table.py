@@ -4,11 +4,11 @@ no match (in code, often a fresh name or idiom).
 For each context of the last two tokens seen often enough, and for each single last token, the
 ``width`` tokens a next-token model predicts from there, each prediction feeding the next context
 (a chained n-gram model). The predictions are counted on a corpus: by default each position's own
-next token (a corpus bigram model); better, the target model's greedy token at each position, so
-that the table drafts what the target itself would say (``scripts/train_demo.py`` ships such a
-table beside the embedded target). Stored as safetensors and looked up on the device by binary
-search: a frozen drafter with no forward pass. Like any proposer it only changes which drafts
-are verified, never the tokens.
+next token (the corpus's n-gram statistics); better, the target model's greedy token at each
+position, so that the table drafts what the target itself would say (``scripts/train_demo.py``
+ships such a table beside the embedded target). Stored as safetensors and looked up on the device
+by binary search: a frozen drafter with no forward pass. Like any proposer it only changes which
+drafts are verified, never the tokens.
 """
 
 from __future__ import annotations
