@@ -15,7 +15,12 @@ from sfjax.default_model import default_speculative_config
 def _llm(args, default_spec: dict | None = None):
     from sfjax import LLM
 
-    spec = json.loads(args.speculative_config) if args.speculative_config else default_spec
+    spec = default_spec
+    if args.speculative_config:
+        try:
+            spec = json.loads(args.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
     if spec is not None and not isinstance(spec, dict):
         raise ValueError("--speculative-config must be a JSON object, e.g. "
                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
@@ -51,27 +56,57 @@ def _generate(args) -> int:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         raise ValueError("no prompts: give them as arguments or with --file")
+    from sfjax import checks
+
+    for i, prompt in enumerate(prompts):               # before anything is loaded
+        checks.text(f"prompt {i}", prompt)
     params = _params(args)
     t0 = time.perf_counter()
     llm = _llm(args, default_speculative_config() if args.model is None else None)
+    if not args.json:
+        print(f"model: {_model_name(args)}; speculation: {_method(llm)}", flush=True)
     compile_s = llm.engine.precompile(progress=not args.json) if args.precompile else None
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.json)
     t2 = time.perf_counter()
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    load_s, gen_s = t1 - t0 - (compile_s or 0), t2 - t1
     if args.json:
-        print(json.dumps([{"prompt": o.prompt, "text": o.outputs[0].text,
-                           "token_ids": o.outputs[0].token_ids,
-                           "finish_reason": o.outputs[0].finish_reason,
-                           "spec_decode": o.metrics.spec_decode} for o in outs], indent=2))
+        spec = llm.get_metrics().get("spec_decode")
+        print(json.dumps({
+            "model": _model_name(args), "speculation": _method(llm),
+            "timings": {"load_s": load_s, "compile_s": compile_s, "generate_s": gen_s,
+                        "output_tokens": n, "output_tokens_per_s": n / max(gen_s, 1e-9)},
+            "spec_decode": None if spec is None else {
+                k: spec[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                     "acceptance_rate", "mean_acceptance_length")},
+            "outputs": [{"prompt": o.prompt, "text": o.outputs[0].text,
+                         "token_ids": o.outputs[0].token_ids,
+                         "finish_reason": o.outputs[0].finish_reason,
+                         "spec_decode": o.metrics.spec_decode} for o in outs]}, indent=2))
         return 0
     for o in outs:
         print(f"Prompt: {o.prompt!r}, Generated text: {o.outputs[0].text!r}")
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    compiled = (f"compile {compile_s:.2f} s; generate {n} tokens in {t2 - t1:.2f} s"
+    compiled = (f"compile {compile_s:.2f} s; generate {n} tokens in {gen_s:.2f} s"
                 if compile_s is not None else
-                f"generate {n} tokens in {t2 - t1:.2f} s (includes compilation)")
-    print(f"load {t1 - t0 - (compile_s or 0):.2f} s; {compiled}{_acceptance(llm)}")
+                f"generate {n} tokens in {gen_s:.2f} s (includes compilation)")
+    print(f"load {load_s:.2f} s; {compiled}{_acceptance(llm)}")
     return 0
+
+
+def _model_name(args) -> str:
+    return args.model if args.model is not None else "the embedded default (sfjax/default/target)"
+
+
+def _method(llm) -> str:
+    spec = llm.engine.spec
+    if spec is None:
+        return "off"
+    c = spec.config
+    extra = (f", lookup {c.prompt_lookup_min}..{c.prompt_lookup_max}"
+             + (", n-gram table" if c.prompt_lookup_table else "") if c.method == "ngram"
+             else f", draft {c.model}")
+    return f"{c.method} (k = {c.num_speculative_tokens}{extra}, {c.acceptance_method} acceptance)"
 
 
 def _bench(args) -> int:
@@ -230,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "same prompt ids, one at a time, and print the ratios (needs torch)")
     _common(b)
     b.set_defaults(run=_bench, max_tokens=None, ignore_eos=True, stop=None)
+    from sfjax.serve import cli as serve_cli      # sfjax serve, and bench --base-url
+    serve_cli.add_bench_args(b, offline=_bench)
+    serve_cli.add_parser(sub, _common)
     c = sub.add_parser("convert", help="an HF model folder to an orbax checkpoint, or back",
                        description="sfjax convert SRC DST: SRC an HF folder -> DST with config.json, "
                                    "the tokenizer files and the weights as an orbax checkpoint "
@@ -244,15 +282,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
+    # sfjax's own messages; not JAX's backend probing ("Unable to initialize backend 'tpu'")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("sfjax").setLevel(logging.WARNING if args.json else logging.INFO)
     try:
         if getattr(args, "cpu_threads", None) is not None:
             from sfjax.cpu import limit_cpu_threads
             limit_cpu_threads(args.cpu_threads)
         return args.run(args)
-    except (ValueError, OSError) as e:   # json.JSONDecodeError is a ValueError
-        print(f"sfjax {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:   # JSONDecodeError and checks.InvalidType are ValueErrors
+        print(f"sfjax {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: BaseException) -> str:
+    """The error on one printable line (a non-UTF-8 argument holds lone surrogates)."""
+    text = " ".join(str(e).split())
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 if __name__ == "__main__":

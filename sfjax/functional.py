@@ -28,12 +28,16 @@ from sfjax import model, sharding
 from sfjax import weights as W
 from sfjax.cache import KVCache, validate_block_size
 from sfjax.config import ModelConfig
+from sfjax.checks import InvalidType
 from sfjax.sampling import SamplingBatch, request_key_data
 from sfjax.sampling_params import SamplingParams
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.round import RoundConfig, SpecBatch, spec_step
 from sfjax.spec.table import NgramTable
 from sfjax.step import DeviceState, StepBatch, model_step
+
+
+INT32_MAX = 2**31 - 1
 
 
 @jax.tree_util.register_static
@@ -138,6 +142,10 @@ class Sampling:
         logprobs, logit_bias, allowed_token_ids, per-request speculation settings) are refused.
         """
         params = [params] * (batch or 1) if isinstance(params, SamplingParams) else list(params)
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise InvalidType(f"params[{i}]: must be a SamplingParams, got {type(p).__name__}")
+        params = [p.checked() for p in params]        # checked again: it may have been changed
         unsupported = {"logit_bias": {}, "allowed_token_ids": None, "stop": [], "logprobs": None,
                        "prompt_logprobs": None, "disable_spec_decode": False, "spec_strategy": None,
                        "spec_exactness": None}
@@ -148,7 +156,7 @@ class Sampling:
             if p.seed is None and p.temperature > 0:
                 raise ValueError("SamplingParams.seed: sampled rows need a seed in sfjax.functional")
         return cls.placed(params, [request_key_data(p.seed or 0) for p in params],
-                          [p.max_tokens or np.iinfo(np.int32).max for p in params],
+                          [p.max_tokens or INT32_MAX for p in params],
                           eos_token_ids=eos_token_ids)
 
     @classmethod
@@ -170,10 +178,10 @@ class Sampling:
                  max_tokens=i32(0), min_tokens=i32(0))
         for r, p, key, most, stop in zip(rows, params, key_data, max_tokens, stops):
             b["temperature"][r], b["top_k"][r], b["top_p"][r], b["min_p"][r] = (
-                p.temperature, p.top_k, p.top_p, p.min_p)
+                p.temperature, min(p.top_k, INT32_MAX), p.top_p, p.min_p)     # k >= V keeps all
             b["presence"][r], b["frequency"][r] = p.presence_penalty, p.frequency_penalty
             b["repetition"][r], b["key_data"][r] = p.repetition_penalty, key
-            b["max_tokens"][r], b["min_tokens"][r] = most, p.min_tokens
+            b["max_tokens"][r], b["min_tokens"][r] = min(most, INT32_MAX), min(p.min_tokens, INT32_MAX)
             stop_ids[r, :len(stop)] = stop
         return cls(**b, stop_ids=stop_ids)
 

@@ -9,6 +9,8 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from sfjax import sharding
+from sfjax import checks as C
+from sfjax.checks import InvalidType
 from sfjax.config import ModelConfig
 from sfjax.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineConfig
 from sfjax.outputs import RequestOutput
@@ -16,6 +18,9 @@ from sfjax.sampling_params import SamplingParams
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.tokenizer import generation_eos_ids, load_tokenizer
 from sfjax.weights import load
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class LLM:
@@ -45,11 +50,25 @@ class LLM:
         if model is None:
             from sfjax.default_model import default_model_path
             model = default_model_path()
+        if not isinstance(model, (str, os.PathLike)):
+            raise InvalidType(f"model = {model!r}: must be a path to a model folder")
         model = os.fspath(model)
+        C.one_of("dtype", dtype, DTYPES)
+        tp = C.integer("tensor_parallel_size", tensor_parallel_size, 1)
+        dp = C.integer("data_parallel_size", data_parallel_size, 1)
+        if max_num_batched_tokens is None and isinstance(max_num_seqs, int):
+            max_num_batched_tokens = max(512, max_num_seqs)
+        config = EngineConfig(          # checked before anything is loaded
+            block_size=block_size, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler,
+            attention=attention, enable_prefix_caching=enable_prefix_caching,
+            num_scheduler_steps=num_scheduler_steps, small_row_tiles=small_row_tiles)
+        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if not os.path.isdir(model):
             raise ValueError(f"model: {model!r} is not a folder (an HF model folder is expected)")
-        if mesh is None and tensor_parallel_size * data_parallel_size > 1:
-            mesh = sharding.make_mesh(tensor_parallel_size, data_parallel_size)
+        if mesh is None and tp * dp > 1:
+            mesh = sharding.make_mesh(tp, dp)
         elif mesh is not None:
             mesh = sharding.as_mesh(mesh)
             got = (sharding.tp_of(mesh), sharding.dp_of(mesh))
@@ -60,14 +79,6 @@ class LLM:
         self.model_config = ModelConfig.from_folder(model, dtype)
         self.tokenizer = load_tokenizer(tokenizer or model)
         weights = load(model, self.model_config, mesh)
-        config = EngineConfig(
-            block_size=block_size, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
-            seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler,
-            attention=attention, enable_prefix_caching=enable_prefix_caching,
-            num_scheduler_steps=num_scheduler_steps, small_row_tiles=small_row_tiles)
-        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config else None
         draft = None
         if spec is not None and spec.method == "draft_model":
             draft_path = os.fspath(spec.model)
@@ -94,47 +105,75 @@ class LLM:
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of str, or dicts with ``prompt_token_ids``);
-        returns RequestOutputs in input order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        returns RequestOutputs in input order, for these prompts only. Requests added to the
+        engine by other means keep running meanwhile; their outputs are left for the engine's
+        next ``step()``."""
+        prompts = self._prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(prompts)
-        requests = []
+        requests, arrivals = [], self.engine._arrivals
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                requests.append(self.engine.prepare(str(self._next_id + i), prompt, p))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        self._next_id += len(prompts)
+                requests.append(self.engine.prepare(self._new_id(), prompt, p))
+            except ValueError as e:       # InvalidType is one too
+                self.engine._arrivals = arrivals     # nothing of the call happened
+                raise type(e)(f"prompt {i}: {e}") from None
         for req in requests:
             self.engine.enqueue(req)
-        return self._run([r.request_id for r in requests], use_tqdm)
+        return self._run(requests, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(ids)
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        start, n_in, n_out = time.monotonic(), 0, 0
+    @staticmethod
+    def _prompt_list(prompts: Any) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            return list(prompts)
+        raise InvalidType(f"prompts: must be a str, a dict with 'prompt_token_ids', or a list of "
+                          f"them; got {type(prompts).__name__}")
+
+    def _new_id(self) -> str:
+        """The next free number as a request id (vLLM's ids), skipping any the engine holds or
+        still has an output for: a user's request "3" is never taken."""
+        while True:
+            rid = str(self._next_id)
+            self._next_id += 1
+            if rid not in self.engine.requests and rid not in self.engine._held:
+                return rid
+
+    def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Steps the engine until these requests end; the progress bar counts output tokens
+        (a request that ends early gives the bar the rest of its budget)."""
+        ids = [r.request_id for r in requests]
+        budget = {r.request_id: r.max_tokens for r in requests}
+        pending, done = set(ids), {}
+        bar = tqdm(total=sum(budget.values()), desc="Generating", unit="tok", dynamic_ncols=True,
+                   disable=not use_tqdm)
+        start, n_in = time.monotonic(), 0
         while pending:
-            for out in self.engine.step():
-                n_out += len(out.new_token_ids)
-                if out.finished and out.request_id in pending:
+            outs = self.engine.step()
+            self.engine.put_back([o for o in outs if o.request_id not in pending])
+            for out in outs:
+                if out.request_id not in pending:
+                    continue
+                bar.update(len(out.new_token_ids))
+                if out.finished:
                     pending.discard(out.request_id)
                     done[out.request_id] = out
                     n_in += len(out.prompt_token_ids)
-                    bar.update(1)
-                    elapsed = max(time.monotonic() - start, 1e-9)
-                    postfix = (f"est. speed input: {n_in / elapsed:.2f} toks/s, "
-                               f"output: {n_out / elapsed:.2f} toks/s")
-                    if self.engine.spec is not None:
-                        m = self.engine.spec.metrics
-                        postfix += (f", acceptance rate: {m.acceptance_rate:.2f}, "
-                                    f"mean acceptance length: {m.mean_acceptance_length:.2f}")
-                    bar.set_postfix_str(postfix)
+                    bar.update(budget[out.request_id] - len(out.outputs[0].token_ids))
+            bar.set_postfix_str(self._postfix(len(done), len(ids), n_in, start))
         bar.close()
         return [done[i] for i in ids]
+
+    def _postfix(self, finished: int, total: int, n_in: int, start: float) -> str:
+        elapsed = max(time.monotonic() - start, 1e-9)
+        text = f"{finished}/{total} prompts, input {n_in / elapsed:.1f} tok/s"
+        if self.engine.spec is not None:
+            m = self.engine.spec.metrics
+            text += (f", acceptance {m.acceptance_rate:.2f} "
+                     f"(mean length {m.mean_acceptance_length:.2f})")
+        return text

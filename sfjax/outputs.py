@@ -20,7 +20,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None   # per output position
-    finish_reason: str | None = None       # "stop" | "length" | "abort"
+    finish_reason: str | None = None       # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None   # the stop token id or string (None for EOS/length)
 
     def finished(self) -> bool:
@@ -48,3 +48,17 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # [None, then per token]
     certificate: object | None = None   # sfjax.spec.Certificate of the strategy that served it
     new_token_ids: list[int] = dataclasses.field(default_factory=list)  # this step's tokens
+    error: str | None = None   # why the request was ended with finish_reason "error"
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request, in the order each first appears: its latest (outputs are
+    cumulative), carrying every listed output's ``new_token_ids`` in order."""
+    merged: dict[str, RequestOutput] = {}
+    for out in outputs:
+        prev = merged.get(out.request_id)
+        if prev is not None:
+            out = dataclasses.replace(out, new_token_ids=prev.new_token_ids + out.new_token_ids,
+                                      error=out.error or prev.error)
+        merged[out.request_id] = out
+    return list(merged.values())

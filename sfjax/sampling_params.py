@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from sfjax import checks as C
+
 MAX_LOGPROBS = 20
 
 
@@ -12,7 +14,8 @@ class SamplingParams:
     """How to generate for one request (vLLM's field names and meanings).
 
     temperature: 0 is greedy; > 0 samples by Gumbel-max with a counter-based key per position.
-    top_k: keep the k most likely tokens; 0 or -1 turns it off.
+    top_k: keep the k most likely tokens; 0 or -1 turns it off, and so does any k at least the
+        vocabulary's size (every token is kept).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1 is off.
     min_p: keep tokens with probability >= min_p * the top probability; 0 is off.
     presence_penalty, frequency_penalty: in [-2, 2], subtracted per output token seen (once, or
@@ -21,7 +24,8 @@ class SamplingParams:
         Each processor is vLLM's; they apply in vLLM's order: logit_bias, allowed_token_ids and
         min_tokens, then the penalties; greedy is the argmax of the result; then temperature,
         min_p, top_k, top_p and the Gumbel-max draw.
-    logit_bias: {token id: bias}, added to the logits, each bias clamped to [-100, 100].
+    logit_bias: {token id: bias}, added to the logits, each bias (finite) clamped to [-100, 100];
+        token ids may be given as ints or decimal strings (JSON's keys).
     allowed_token_ids: only these tokens can be drawn.
     seed: the request's draws depend on this seed only (not on the engine seed, the batch,
         speculation or preemption). Without it the key comes from the engine seed and the
@@ -61,36 +65,73 @@ class SamplingParams:
     spec_exactness: str | None = None
 
     def __post_init__(self):
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks every field's type and range (TypeError / ValueError naming the field) and puts
+        it in canonical form (``stop`` a list, ``top_k`` -1 as 0, ...). Runs at construction, and
+        again on the engine's own copy when a request is added, so a params object changed
+        after construction is checked too."""
+        f = lambda name: f"SamplingParams.{name}"
+        self.n = C.integer(f("n"), self.n, 1, 1, allowed="1 (n > 1 is not offered)")
+        self.temperature = C.real(f("temperature"), self.temperature, 0.0,
+                                  allowed="a finite number >= 0 (0 is greedy)")
+        self.top_p = C.real(f("top_p"), self.top_p, 0.0, 1.0, lo_open=True)
+        self.top_k = C.integer(f("top_k"), self.top_k, -1,
+                               allowed="an int >= 1, or 0 / -1 for off (k >= the vocabulary is off)")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = C.real(f("min_p"), self.min_p, 0.0, 1.0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, C.real(f(name), getattr(self, name), -2.0, 2.0))
+        self.repetition_penalty = C.real(f("repetition_penalty"), self.repetition_penalty, 0.0,
+                                         lo_open=True)
+        self.logit_bias = self._bias(self.logit_bias)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
-        if self.top_k == -1:
-            self.top_k = 0
-        _check(self.n == 1, "n", self.n, "1 (n > 1 is not offered)")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
-        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
-               "an int >= 1, or 0 / -1 for off")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "[-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "[-2, 2]")
-        _check(0.0 < self.repetition_penalty < float("inf"), "repetition_penalty",
-               self.repetition_penalty, "> 0 (and finite)")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+            self.allowed_token_ids = C.int_list(f("allowed_token_ids"), self.allowed_token_ids, 0)
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
+                   "a non-empty list")
+        self.seed = C.integer(f("seed"), self.seed, 0, 2**64 - 1, allowed="an int in [0, 2**64)",
+                              optional=True)
+        self.max_tokens = C.integer(f("max_tokens"), self.max_tokens, 1, optional=True)
+        self.min_tokens = C.integer(f("min_tokens"), self.min_tokens, 0)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        _check(self.seed is None or 0 <= self.seed < 2**64, "seed", self.seed, "[0, 2**64)")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            _check(v is None or 0 <= v <= MAX_LOGPROBS, name, v, f"[0, {MAX_LOGPROBS}]")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = []
+        if not isinstance(stop, (list, tuple)):
+            raise C.InvalidType(f"SamplingParams.stop = {self.stop!r}: must be a str or a list of str")
+        self.stop = [C.text(f(f"stop[{i}]"), x) for i, x in enumerate(stop)]
         _check(all(self.stop), "stop", self.stop, "non-empty strings")
+        self.stop_token_ids = C.int_list(f("stop_token_ids"), self.stop_token_ids or [], 0)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "disable_spec_decode"):
+            setattr(self, name, C.boolean(f(name), getattr(self, name)))
+        for name in ("logprobs", "prompt_logprobs"):
+            setattr(self, name, C.integer(f(name), getattr(self, name), 0, MAX_LOGPROBS,
+                                          optional=True))
+        self.spec_strategy = C.text(f("spec_strategy"), self.spec_strategy, optional=True)
         _check(self.spec_exactness in (None, "lossy", "distribution-exact", "path-exact"),
                "spec_exactness", self.spec_exactness, "None, lossy, distribution-exact or path-exact")
-        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
-               "allowed_token_ids", self.allowed_token_ids, "a non-empty list")
+
+    @staticmethod
+    def _bias(bias) -> dict[int, float]:
+        """{token id: bias}; each bias finite, clamped to [-100, 100] (vLLM's range)."""
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise C.InvalidType(f"SamplingParams.logit_bias = {bias!r}: must be a dict of token id -> bias")
+        out = {}
+        for k, v in bias.items():
+            t = C.integer("SamplingParams.logit_bias key", int(k) if isinstance(k, str) and
+                          k.lstrip("-").isdigit() else k, 0)
+            out[t] = min(100.0, max(-100.0, C.real(f"SamplingParams.logit_bias[{t}]", v)))
+        return out
+
+    def checked(self) -> "SamplingParams":
+        """A validated copy (what the engine keeps for a request: later changes to this object
+        do not reach it)."""
+        return dataclasses.replace(self)
 
     @property
     def greedy(self) -> bool:
@@ -102,7 +143,10 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def validate_for(self, vocab_size: int) -> None:
-        """Checks what depends on the model; raises ValueError naming the field."""
+        """Checks what depends on the model; raises ValueError naming the field. A top_k of at
+        least the vocabulary keeps every token: it becomes 0 (off)."""
+        if self.top_k >= vocab_size:
+            self.top_k = 0
         ids = [("stop_token_ids", t) for t in self.stop_token_ids]
         ids += [("logit_bias", t) for t in self.logit_bias]
         ids += [("allowed_token_ids", t) for t in self.allowed_token_ids or []]

@@ -11,9 +11,23 @@ def test_generate_json_with_speculation(tiny_folder, capsys):
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     assert main(["generate", "hello world", "def f(x):", "--model", tiny_folder, "--max-tokens", "6",
                  "--ignore-eos", "--speculative-config", spec, "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    result = json.loads(capsys.readouterr().out)
+    out = result["outputs"]
     assert [len(o["token_ids"]) for o in out] == [6, 6]
     assert all(o["spec_decode"] is not None for o in out)
+    assert result["model"] == tiny_folder and result["speculation"].startswith("ngram (k = 3")
+    t = result["timings"]
+    assert t["output_tokens"] == 12 and t["generate_s"] > 0 and t["load_s"] > 0
+    spec = result["spec_decode"]
+    assert spec["num_draft_tokens"] == sum(o["spec_decode"]["num_draft_tokens"] for o in out)
+    assert 0 <= spec["acceptance_rate"] <= 1
+
+
+def test_generate_names_the_model_and_method(tiny_folder, capsys):
+    assert main(["generate", "hi", "--model", tiny_folder, "--max-tokens", "2"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.splitlines()[0] == f"model: {tiny_folder}; speculation: off"
+    assert "Unable to initialize backend" not in cap.err
 
 
 def test_bench_prints_vllm_labels_and_compares_with_hf(tiny_folder, capsys):
@@ -40,7 +54,20 @@ def test_bench_json_reports_acceptance(tiny_folder, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["generate", "x", "--model", "/nonexistent"], "is not a folder"),
-    (["generate", "x", "--speculative-config", "{bad json"], "Expecting property name"),
+    (["generate", "x", "--speculative-config", "{bad json"], "--speculative-config is not valid JSON"),
+    (["generate", "x", "--speculative-config", "notjson"], "--speculative-config is not valid JSON"),
+    (["generate", "ab\udcff"], "prompt 0 = 'ab\\udcff' is not valid text"),      # a non-UTF-8 argv
+    (["generate", "x", "--temperature", "nan"], "SamplingParams.temperature = nan is out of range"),
+    (["generate", "x", "--temperature", "inf"], "SamplingParams.temperature = inf is out of range"),
+    (["generate", "x", "--top-p", "0"], "SamplingParams.top_p = 0.0 is out of range"),
+    (["generate", "x", "--max-tokens", "0"], "SamplingParams.max_tokens = 0 is out of range"),
+    (["generate", "x", "--seed", "-1"], "SamplingParams.seed = -1 is out of range"),
+    (["generate", "x", "--max-model-len", "0"], "EngineConfig.max_model_len = 0 is out of range"),
+    (["generate", "x", "--block-size", "0"], "block_size"),
+    (["generate", "x", "--max-num-seqs", "0"], "EngineConfig.max_num_seqs = 0 is out of range"),
+    (["generate", "x", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2.5}'],
+     "speculative_config.num_speculative_tokens = 2.5 has type float"),
+    (["generate", "x", "--file", "/nonexistent/prompts.txt"], "No such file"),
     (["generate", "x", "--speculative-config", "[1]"], "must be a JSON object"),
     (["generate"], "no prompts"),
     (["generate", "x", "--cpu-threads", "0"], "cpu_threads: 0 is not an int in 1.."),

@@ -126,7 +126,11 @@ def test_blocks_are_freed_when_requests_finish_or_abort(llm):
     eng.step()
     assert eng.allocator.num_free < total
     eng.abort("to-abort")
-    assert eng.allocator.num_free == total and not eng.has_unfinished_requests()
+    assert eng.allocator.num_free == total          # at once
+    assert eng.has_unfinished_requests()            # until its final output is returned
+    [final] = eng.step()
+    assert final.request_id == "to-abort" and final.finished
+    assert final.outputs[0].finish_reason == "abort" and not eng.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("prompt, params, match", [

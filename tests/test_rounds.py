@@ -114,5 +114,5 @@ def test_rounds_shrink_to_the_free_blocks(tiny_folder):
 
 @pytest.mark.parametrize("bad", [0, -1, 1025])
 def test_num_scheduler_steps_out_of_range(bad):
-    with pytest.raises(ValueError, match=r"num_scheduler_steps must be in \[1, 1024\]"):
+    with pytest.raises(ValueError, match=rf"num_scheduler_steps = {bad} is out of range: must be an int in \[1, 1024\]"):
         EngineConfig(num_scheduler_steps=bad)

@@ -4,7 +4,6 @@ or sampling parameters does not recompile it."""
 import numpy as np
 
 from sfjax import LLM, SamplingParams, toy
-from sfjax.spec.round import spec_step
 
 
 def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
@@ -22,6 +21,7 @@ def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
         llm.generate(prompts, params, use_tqdm=False)
 
     run(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))       # warm up the buckets
+    spec_step = llm.engine.programs.spec_step                  # the engine's own compiled round
     warm = spec_step._cache_size()
     # other rows' k (max_tokens limits it near the end), opt-outs, sampling modes, stop tokens
     run([SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(4)])
@@ -36,14 +36,12 @@ def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
 def test_precompile_covers_every_step_of_a_run(model_folder):
     """After ``Engine.precompile``, a run of mixed prompt lengths, batch sizes, sampling modes and
     speculation compiles nothing more."""
-    from sfjax.step import model_step
-
     target = model_folder(toy.tiny_config(), seed=0, std=0.1)
     llm = LLM(target, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert llm.engine.precompile(progress=False) > 0
-    from sfjax.engine.rounds import decode_rounds
-
+    p = llm.engine.programs                                    # the engine's own programs
+    model_step, spec_step, decode_rounds = p.model_step, p.spec_step, p.decode_rounds
     compiled = (model_step._cache_size(), spec_step._cache_size(), decode_rounds._cache_size())
     assert compiled[2] >= 1
     rng = np.random.default_rng(1)

@@ -14,18 +14,17 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention import IMPLS as ATTENTION_IMPLS
-from sfjax import model, sampling, sharding
+from sfjax import checks as C, model, sampling, sharding
 from sfjax.cache import KVCache, BlockAllocator, ShardedAllocator, validate_block_size
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
-from sfjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from sfjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, merge_outputs
 from sfjax.sampling_params import SamplingParams
-from sfjax.engine import rounds, speculation
+from sfjax.engine import programs, rounds, speculation
 from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
-from sfjax.spec.round import spec_step
-from sfjax.step import DeviceState, StepBatch, model_step, write_history
+from sfjax.step import DeviceState, StepBatch
 from sfjax.tokenizer import IncrementalDetokenizer
 from sfjax.weights import Weights
 
@@ -54,19 +53,23 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
+        f = lambda name: f"EngineConfig.{name}"
+        C.integer(f("block_size"), self.block_size, 1)
         validate_block_size(self.block_size)
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                             f"max_num_seqs ({self.max_num_seqs})")
-        if self.row_tile < 1:
-            raise ValueError(f"row_tile must be >= 1, got {self.row_tile}")
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}; "
-                             f"got {self.attention!r}")
-        if not 1 <= self.num_scheduler_steps <= 1024:
-            raise ValueError(f"num_scheduler_steps must be in [1, 1024], got {self.num_scheduler_steps}")
+        C.integer(f("num_kv_blocks"), self.num_kv_blocks, 2, optional=True)
+        C.integer(f("kv_cache_bytes"), self.kv_cache_bytes, 1)
+        C.integer(f("max_model_len"), self.max_model_len, 2, optional=True)
+        C.integer(f("max_num_seqs"), self.max_num_seqs, 1)
+        C.integer(f("max_num_batched_tokens"), self.max_num_batched_tokens, self.max_num_seqs,
+                  allowed=f"an int >= max_num_seqs ({self.max_num_seqs})")
+        C.integer(f("row_tile"), self.row_tile, 1)
+        C.text(f("sampler"), self.sampler)
+        C.one_of(f("attention"), self.attention, ATTENTION_IMPLS)
+        C.one_of(f("layer_loop"), self.layer_loop, ("auto", "scan", "unrolled"))
+        C.boolean(f("enable_prefix_caching"), self.enable_prefix_caching)
+        C.integer(f("num_scheduler_steps"), self.num_scheduler_steps, 1, 1024)
+        C.boolean(f("small_row_tiles"), self.small_row_tiles)
+        C.integer(f("seed"), self.seed, 0, 2**64 - 1, allowed="an int in [0, 2**64)")
 
 
 _bucket = speculation.bucket
@@ -106,13 +109,13 @@ class Engine:
                                                         enabled=config.small_row_tiles)
         self.cfg = cfg = tiles(cfg, self.weights)
         self.tokenizer = tokenizer
-        max_len = config.max_model_len or cfg.max_position_embeddings
+        max_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) must be <= the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         per_block = KVCache.bytes_per_block(cfg, config.block_size, mesh=mesh)   # on one device
         blocks_per_seq = -(-max_len // config.block_size)
-        num_blocks = config.num_kv_blocks or dp * (1 + min(    # each data shard: a null block too
+        num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else dp * (1 + min(    # each data shard: a null block too
             config.max_num_seqs // dp * blocks_per_seq, max(1, config.kv_cache_bytes // per_block)))
         self.config = dataclasses.replace(config, max_model_len=max_len, num_kv_blocks=num_blocks)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -130,8 +133,10 @@ class Engine:
         self.registry = Registry()
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
                                 self.registry, mesh, self._split, tiles) if speculative else None)
+        self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
         self.requests: dict[str, Request] = {}
-        self._rounds_cfg = None
+        self._held: dict[str, RequestOutput] = {}      # outputs for the next step
+        self._plan, self._dispatched = [], False
         self._arrivals = 0
         self.stats = {"steps": 0, "host_steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
         tokens = (num_blocks - dp) * config.block_size
@@ -143,18 +148,18 @@ class Engine:
     # -- admission ---------------------------------------------------------------------------
 
     def prepare(self, request_id: str, prompt: Any, params: SamplingParams | None) -> Request:
-        """Validates one request and builds its state; raises ValueError naming the problem."""
+        """Validates one request and builds its state; raises ValueError (TypeError for a wrong
+        type) naming the field. The request keeps its own checked copy of ``params``."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self.requests:
+            raise C.InvalidType(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params = params.checked()
+        request_id = C.text("request_id", request_id)
+        if request_id in self.requests or request_id in self._held:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty (it has no tokens)")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         params.validate_for(self.cfg.vocab_size)
         limit = self.config.max_model_len
         if len(ids) >= limit:
@@ -164,18 +169,22 @@ class Engine:
         if len(ids) + max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({limit})")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens = {params.min_tokens} is out of range: must "
+                             f"be <= max_tokens (here {max_tokens}: max_model_len - the prompt)")
         blocks = self.scheduler.blocks_needed(len(ids) + max_tokens)
         if blocks > self.config.num_kv_blocks // self.dp - 1:
             where = "the cache" if self.dp == 1 else "each data shard's cache"
-            raise ValueError(f"the request needs {blocks} KV blocks; {where} has only "
-                             f"{self.config.num_kv_blocks // self.dp - 1}")
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {blocks} "
+                             f"KV blocks; {where} has only {self.config.num_kv_blocks // self.dp - 1}")
         slot = self._strategy_slot(params)
+        arrival, self._arrivals = self._arrivals, self._arrivals + 1
         seed = params.seed
-        if seed is None:  # the engine seed and the arrival number, folded on the host
-            seed = (self.config.seed * 0x9E3779B97F4A7C15 + self._arrivals + 1) % 2**63
+        if seed is None:  # the engine seed and the arrival number (one per prepared request)
+            seed = (self.config.seed * 0x9E3779B97F4A7C15 + arrival + 1) % 2**63
         return Request(
             request_id=request_id, prompt=text, prompt_token_ids=list(ids), params=params,
-            arrival=self._arrivals, key_data=sampling.request_key_data(seed), max_tokens=max_tokens,
+            arrival=arrival, key_data=sampling.request_key_data(seed), max_tokens=max_tokens,
             detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             arrival_time=time.monotonic(), strategy_slot=slot, certificate=self.registry.slots[slot])
 
@@ -196,38 +205,99 @@ class Engine:
         return slot
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        vocab = f"token ids in the vocabulary [0, {self.cfg.vocab_size})"
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt).ids
+            return prompt, self.tokenizer.encode(C.text("prompt", prompt)).ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            ids = C.int_list("prompt_token_ids", prompt["prompt_token_ids"], 0,
+                             self.cfg.vocab_size - 1, allowed=vocab)
+            return C.text("prompt", prompt.get("prompt"), optional=True), ids
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        raise ValueError(f"prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+            return self._tokenize(C.text("prompt", prompt["prompt"]))
+        raise C.InvalidType(f"prompt must be a str or a dict with 'prompt_token_ids' (or 'prompt'), "
+                            f"got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | None = None) -> None:
         self.enqueue(self.prepare(request_id, prompt, sampling_params))
 
     def enqueue(self, req: Request) -> None:
-        self._arrivals += 1
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> None:
-        """Drops the request and frees its blocks at once; unknown ids are ignored."""
-        req = self.requests.pop(request_id, None)
+        """Drops the request and frees its blocks at once; the next ``step`` returns its final
+        output (finish_reason "abort"). Unknown ids are ignored."""
+        req = self.requests.get(request_id)
         if req is not None:
-            self.scheduler.remove(req)
-            req.status = Status.FINISHED
-            req.finish_reason = "abort"
+            self._finish(req, "abort", None)
+            self._hold(self.output(req))
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        """Ends one request after a failure serving it (finish_reason "error", the error on its
+        output, returned by the next ``step``); every other request carries on."""
+        logger.warning("request %r failed and was finished: %s: %s", req.request_id,
+                       type(error).__name__, error)
+        req.status, req.finish_reason, req.stop_reason = Status.FINISHED, "error", None
+        req.finished_time = time.monotonic()
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        out = self.output(req)
+        out.error = f"{type(error).__name__}: {error}"
+        self._hold(out)
+
+    def _hold(self, out: RequestOutput) -> None:
+        """Queues an output for the next ``step`` (merged with one already queued)."""
+        self._held[out.request_id] = merge_outputs([self._held[out.request_id], out])[0] \
+            if out.request_id in self._held else out
+
+    def put_back(self, outputs: list[RequestOutput]) -> None:
+        """Returns outputs a caller took from ``step`` but does not own (``LLM.generate`` steps
+        the whole engine); the next ``step`` returns them, merged with what that step adds."""
+        for out in outputs:
+            self._hold(out)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request runs or waits, or a final output waits for the next ``step``."""
+        return self.scheduler.has_unfinished() or any(o.finished for o in self._held.values())
 
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules, runs one device step, and returns the requests that got tokens."""
-        plan = self.scheduler.schedule()
+        """Schedules, runs one device call, and returns an output for every request that got
+        tokens or ended (aborted and failed ones included), one per request.
+
+        A failure while building one request's rows finishes that request with
+        finish_reason "error" (``RequestOutput.error``) and leaves the others as they were, to
+        run in the next step; so does a failure while reading one request's tokens back."""
+        held = list(self._held.values())
+        self._held.clear()
+        self._plan, self._dispatched = [], False
+        try:
+            new = self._step()
+        except Exception as e:
+            if self._dispatched or not self._fail_culprits():
+                raise                  # not one request's doing: the device call itself failed
+            new = []
+        outs = merge_outputs(held + new + list(self._held.values()))
+        self._held.clear()
+        return outs
+
+    def _fail_culprits(self) -> bool:
+        """After a failure before the device call: finishes the requests whose own rows raise
+        when built alone; returns whether there was one."""
+        found = False
+        for s in self._plan:
+            try:
+                self._build_batch([s])
+                self._stop_rule(s.request)
+                rounds.slot_sampling([s.request], self.config.max_num_seqs, self.eos_token_ids)
+            except Exception as e:
+                self._fail(s.request, e)
+                found = True
+        return found
+
+    def _step(self) -> list[RequestOutput]:
+        self._plan = plan = self.scheduler.schedule()
         if not plan:
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError("the scheduler could not place any request (KV cache too small)")
@@ -239,7 +309,7 @@ class Engine:
             if s.cached:        # penalties and n-gram lookup read the tokens the cache skipped
                 row = np.zeros(self.config.max_model_len, np.int32)
                 row[:s.cached] = [s.request.token(j) for j in range(s.cached)]
-                self.state = write_history(self.state, np.int32(s.request.slot), row, np.int32(s.cached))
+                self.state = self.programs.write_history(self.state, np.int32(s.request.slot), row, np.int32(s.cached))
         self.stats["steps"] += 1                 # device rounds
         self.stats["host_steps"] += 1            # calls that ran the device (several rounds each)
         n_rounds = self._rounds_for(plan)
@@ -258,12 +328,28 @@ class Engine:
         """Prompt logprobs and drawn tokens of the logit rows from ``first`` on."""
         outputs = []
         for i, (req, pos, _) in enumerate(meta[first:], first):
-            lp = self._logprob_entry(req, drawn, i, pos, int(drawn.tokens[i]))
-            if pos >= 0:
-                req.prompt_logprobs.append(lp)
-            else:
-                outputs.append(self._append(req, int(drawn.tokens[i]), lp))
+            if req.status is Status.FINISHED:          # failed on an earlier row of this step
+                continue
+            out = self._guarded(req, lambda: self._read_row(req, drawn, i, pos))
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _read_row(self, req: Request, drawn, i: int, pos: int) -> RequestOutput | None:
+        lp = self._logprob_entry(req, drawn, i, pos, int(drawn.tokens[i]))
+        if pos >= 0:
+            req.prompt_logprobs.append(lp)
+            return None
+        return self._append(req, int(drawn.tokens[i]), lp)
+
+    def _guarded(self, req: Request, read):
+        """``read()``: one request's host work on a step's results. A failure there ends that
+        request alone (``_fail``) and gives None."""
+        try:
+            return read()
+        except Exception as e:
+            self._fail(req, e)
+            return None
 
     # -- speculation ---------------------------------------------------------------------------
 
@@ -315,27 +401,33 @@ class Engine:
         outputs = []
         for r, i in enumerate(order):
             req = plan[i].request
-            n = int(emitted[r])
-            length = req.num_tokens
-            new = []
-            for j in range(n):
-                token = int(out[r, j])
-                lp = self._logprob_entry(req, drawn, start + r * k1 + j, -1, token)
-                result = self._append(req, token, lp)
-                new.append(token)
-                if result.finished:                          # a stop string may end it early
-                    break
-            if req.status is not Status.FINISHED:
-                # rollback: a length, nothing else. K/V is valid for the round's input token
-                # and the accepted drafts
-                self.scheduler.set_computed(req, length - 1 + n)
-            # accepted drafts count only as far as they were emitted
-            if req.spec_metrics is None:
-                req.spec_metrics = speculation.SpecMetrics()
-            for m in (spec.metrics, req.spec_metrics):
-                m.add(int(drafted[r]), min(int(accepted[r]), len(new)))
-            outputs.append(self.output(req, new_token_ids=new))
-        return self._read_rows(meta[:start], drawn, 0) + outputs
+            read = lambda: self._read_verified(req, drawn, start + r * k1, out[r], int(emitted[r]),
+                                               int(drafted[r]), int(accepted[r]))
+            outputs.append(self._guarded(req, read))
+        return self._read_rows(meta[:start], drawn, 0) + [o for o in outputs if o is not None]
+
+    def _read_verified(self, req: Request, drawn, row: int, out, n: int, drafted: int,
+                       accepted: int) -> RequestOutput:
+        """A speculating request's round: its ``n`` emitted tokens (verify rows from ``row``)."""
+        length = req.num_tokens
+        new = []
+        for j in range(n):
+            token = int(out[j])
+            lp = self._logprob_entry(req, drawn, row + j, -1, token)
+            result = self._append(req, token, lp)
+            new.append(token)
+            if result.finished:                          # a stop string may end it early
+                break
+        if req.status is not Status.FINISHED:
+            # rollback: a length, nothing else. K/V is valid for the round's input token
+            # and the accepted drafts
+            self.scheduler.set_computed(req, length - 1 + n)
+        # accepted drafts count only as far as they were emitted
+        if req.spec_metrics is None:
+            req.spec_metrics = speculation.SpecMetrics()
+        for m in (self.spec.metrics, req.spec_metrics):
+            m.add(drafted, min(accepted, len(new)))
+        return self.output(req, new_token_ids=new)
 
     # -- several rounds per host call ----------------------------------------------------------
 
@@ -382,51 +474,53 @@ class Engine:
             req, self._stop_rule(req)[2]) > 0}
         outputs = []
         for req in reqs:
-            slot, before = req.slot, req.num_tokens
-            new = []
-            for j in range(int(new_len[slot]) - before):
-                token = int(tokens[slot, j])
-                new.append(token)
-                if self._append(req, token, None).finished:
-                    break
-            if req.status is not Status.FINISHED:
-                self.scheduler.set_computed(req, req.num_tokens - 1)
-            if req.request_id in speculating:
-                if req.spec_metrics is None:
-                    req.spec_metrics = speculation.SpecMetrics()
-                for r in range(int(n)):
-                    for m in (self.spec.metrics, req.spec_metrics):
-                        m.add(int(drafted[r, slot]), int(accepted[r, slot]))
-            outputs.append(self.output(req, new_token_ids=new))
-        return outputs
+            read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
+                                             drafted[:int(n), req.slot], accepted[:int(n), req.slot],
+                                             req.request_id in speculating)
+            outputs.append(self._guarded(req, read))
+        return [o for o in outputs if o is not None]
+
+    def _read_rounds(self, req: Request, tokens, new_len: int, drafted, accepted,
+                     speculating: bool) -> RequestOutput:
+        """One request's tokens from several rounds (its slot's row), and its counters."""
+        new = []
+        for j in range(new_len - req.num_tokens):
+            token = int(tokens[j])
+            new.append(token)
+            if self._append(req, token, None).finished:
+                break
+        if req.status is not Status.FINISHED:
+            self.scheduler.set_computed(req, req.num_tokens - 1)
+        if speculating:
+            if req.spec_metrics is None:
+                req.spec_metrics = speculation.SpecMetrics()
+            for d, a in zip(drafted, accepted):
+                for m in (self.spec.metrics, req.spec_metrics):
+                    m.add(int(d), int(a))
+        return self.output(req, new_token_ids=new)
 
     def _run_rounds(self, block_tables, prompt_len, length, last, live, sp, num_rounds,
                     until_one_ends=False):
         spec = self.spec
-        if self._rounds_cfg is None:
-            self._rounds_cfg = rounds.functional_config(self)
-        self.state, draft_cache, *out = rounds.decode_rounds(
+        self._dispatched = True
+        self.state, draft_cache, *out = self.programs.decode_rounds(
             self.weights, spec.draft_weights if spec else None, self.state,
             spec.draft_cache if spec else None, block_tables, prompt_len, length, last, live, sp,
-            np.int32(num_rounds), np.bool_(until_one_ends), cfg=self._rounds_cfg,
-            max_rounds=self.config.num_scheduler_steps)
+            np.int32(num_rounds), np.bool_(until_one_ends))
         if spec:
             spec.draft_cache = draft_cache
         return out
 
     def _run_plain(self, batch: StepBatch):
-        self.state, drawn = model_step(self.weights, self.state, batch, cfg=self.cfg,
-                                       row_tile=self.config.row_tile, sampler=self.config.sampler,
-                                       attention=self.config.attention, mesh=self.mesh)
+        self._dispatched = True
+        self.state, drawn = self.programs.model_step(self.weights, self.state, batch)
         return drawn
 
     def _run_spec(self, batch: StepBatch, sb):
         spec = self.spec
-        self.state, spec.draft_cache, *out = spec_step(
-            self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb, cfg=self.cfg,
-            dcfg=spec.draft_cfg, rc=spec.round, row_tile=self.config.row_tile,
-            sampler=self.config.sampler, attention=self.config.attention, mesh=self.mesh,
-            draft_mesh=spec.mesh)
+        self._dispatched = True
+        self.state, spec.draft_cache, *out = self.programs.spec_step(
+            self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb)
         return out
 
     # -- compiling ahead -----------------------------------------------------------------------
@@ -605,12 +699,12 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
             self.stats["prompt_tokens"] += len(req.prompt_token_ids)
+        piece = req.detok.add(token)        # first: if it fails, the token is not the output's
         req.output_token_ids.append(token)
         if logprob is not None:
             req.logprobs.append(logprob)
             req.cumulative_logprob += logprob[token].logprob
         self.stats["generation_tokens"] += 1
-        piece = req.detok.add(token)
         n, p = len(req.output_token_ids), req.params
         stop = self._stop_string(req, piece) if n >= p.min_tokens else None
         if n >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:

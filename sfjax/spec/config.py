@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
+
+from sfjax import checks as C
+from sfjax.config import ModelConfig
 
 METHODS = ("draft_model", "ngram")
 ACCEPTANCE = ("exact", "rejection_sampler", "typical_acceptance_sampler")
@@ -58,33 +62,33 @@ class SpeculativeConfig:
         return cls(**d)
 
     def __post_init__(self):
-        k = self.num_speculative_tokens
+        f = lambda name: f"speculative_config.{name}"
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method = {self.method!r}: must be one of {METHODS}")
         if self.acceptance_method not in ACCEPTANCE:
             raise ValueError(f"speculative_config.acceptance_method = {self.acceptance_method!r}: "
                              f"must be one of {ACCEPTANCE}")
-        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config.num_speculative_tokens = {k!r}: must be an int in "
-                             f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        C.integer(f("num_speculative_tokens"), self.num_speculative_tokens, 1,
+                  MAX_SPECULATIVE_TOKENS)
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model: a draft model folder is required for draft_model")
-        if self.method == "ngram":
-            if self.prompt_lookup_min < 1:
-                raise ValueError(f"speculative_config.prompt_lookup_min = {self.prompt_lookup_min}: must be >= 1")
-            if self.prompt_lookup_min > self.prompt_lookup_max:
-                raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be "
-                                 f"<= prompt_lookup_max ({self.prompt_lookup_max})")
-        if self.prompt_lookup_table is not None and self.method != "ngram":
-            raise ValueError(f"speculative_config.prompt_lookup_table is for method 'ngram', not "
-                             f"{self.method!r}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"speculative_config.disable_by_batch_size = {self.disable_by_batch_size}: "
-                             "must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"speculative_config.max_model_len = {self.max_model_len}: must be >= 1")
-        if not 0.0 <= self.posterior_threshold <= 1.0:
-            raise ValueError(f"speculative_config.posterior_threshold = {self.posterior_threshold}: "
-                             "must be in [0, 1]")
-        if not 0.0 <= self.posterior_alpha <= 1.0:
-            raise ValueError(f"speculative_config.posterior_alpha = {self.posterior_alpha}: must be in [0, 1]")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike, ModelConfig)):
+            raise C.InvalidType(f"speculative_config.model = {self.model!r}: must be a folder path "
+                                "(sfjax.functional also takes a ModelConfig)")
+        C.integer(f("prompt_lookup_min"), self.prompt_lookup_min, 1)
+        C.integer(f("prompt_lookup_max"), self.prompt_lookup_max, 1)
+        if self.method == "ngram" and self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be "
+                             f"<= prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.prompt_lookup_table is not None:
+            if self.method != "ngram":
+                raise ValueError(f"speculative_config.prompt_lookup_table is for method 'ngram', not "
+                                 f"{self.method!r}")
+            if not isinstance(self.prompt_lookup_table, (str, os.PathLike)):
+                raise C.InvalidType(f"speculative_config.prompt_lookup_table = "
+                                    f"{self.prompt_lookup_table!r}: must be a file path")
+        C.integer(f("disable_by_batch_size"), self.disable_by_batch_size, 1, optional=True)
+        C.integer(f("max_model_len"), self.max_model_len, 1, optional=True)
+        C.integer(f("draft_tensor_parallel_size"), self.draft_tensor_parallel_size, 1, optional=True)
+        C.real(f("posterior_threshold"), self.posterior_threshold, 0.0, 1.0)
+        C.real(f("posterior_alpha"), self.posterior_alpha, 0.0, 1.0)

@@ -1,0 +1,262 @@
+"""The asyncio engine (vLLM's ``AsyncLLM`` shape): ``async for out in engine.generate(prompt,
+params, request_id)`` yields ``RequestOutput``s as tokens arrive.
+
+One background thread owns the ``Engine``: it admits and aborts requests between steps and steps
+while any request is live, sleeping on a condition when none is. The device step therefore never
+runs on the event loop's thread, and every engine call happens on one thread (the engine is not
+thread-safe). Callers on the event loop talk to it through a command list; its outputs come back
+through ``loop.call_soon_threadsafe``, one call per loop per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+from sfjax.outputs import RequestOutput, merge_outputs
+from sfjax.sampling_params import SamplingParams
+
+logger = logging.getLogger("sfjax")
+
+
+class EngineOverloaded(RuntimeError):
+    """More requests wait than ``max_waiting`` allows (a server answers 503)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down or has stopped, and takes no new request."""
+
+
+class _Stream:
+    """One request's outputs on its event loop. The engine may deliver faster than the consumer
+    reads; pending outputs are cumulative, so ``merge_outputs`` makes them one (the latest, with
+    the new tokens of all of them)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[RequestOutput] = []
+        self.event = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        self.pending.append(out)
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+    async def get(self) -> RequestOutput:
+        await self.event.wait()
+        if self.error is not None and not self.pending:
+            raise self.error
+        outs, self.pending = self.pending, []
+        self.event.clear()
+        return merge_outputs(outs)[0]       # all of one request
+
+
+class AsyncLLM:
+    """``LLM``'s engine behind an event-loop API; many concurrent ``generate`` callers share its
+    continuous batching.
+
+    ``max_waiting`` bounds the requests admitted beyond ``max_num_seqs`` (None: no bound); one
+    more raises ``EngineOverloaded`` at once instead of queueing. ``stat_loggers`` are called on
+    the engine thread after each step with (outputs, ``snapshot()``), where they may read the
+    outputs' timings (``sfjax.serve.metrics``).
+    """
+
+    def __init__(self, model: str | None = None, *, max_waiting: int | None = None,
+                 stat_loggers: list[Callable] | None = None, llm=None, **llm_kwargs):
+        if llm is None:
+            from sfjax.llm import LLM
+            llm = LLM(model, **llm_kwargs)
+        self.llm = llm
+        self.engine = llm.engine
+        self.max_waiting = max_waiting
+        self.stat_loggers = list(stat_loggers or [])
+        self._streams: dict[str, _Stream] = {}
+        self._commands: list[Callable[[], None]] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._accepting = True
+        self._ids = itertools.count()
+        self._snapshot = self._take_snapshot()
+        self._thread = threading.Thread(target=self._run, name="sfjax-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_llm(cls, llm, **kwargs) -> "AsyncLLM":
+        return cls(llm=llm, **kwargs)
+
+    def get_tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    def snapshot(self) -> dict:
+        """The engine's counters as of its last step (read without touching the engine)."""
+        return self._snapshot
+
+    # -- the caller's side (event loop) -------------------------------------------------------
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Admits the request (ValueError / TypeError naming the field if it is refused) and
+        yields its RequestOutputs (cumulative; ``new_token_ids`` since the last one yielded)
+        until the finished one. Leaving early (cancelled, closed) aborts it."""
+        if not self._accepting:
+            raise EngineClosed("the engine is shutting down")
+        waiting = len(self._streams) - self.engine.config.max_num_seqs
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            raise EngineOverloaded(f"{waiting} requests are waiting (max_waiting is {self.max_waiting})")
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already live")
+        stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
+        admitted: concurrent.futures.Future = concurrent.futures.Future()
+        finished = False
+        try:
+            self._submit(lambda: self._add(request_id, prompt, sampling_params, admitted))
+            await asyncio.wrap_future(admitted)
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self._abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a live request: its consumer gets a last output with finish_reason "abort"."""
+        self._submit(lambda: self._abort(request_id))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Takes no new request, lets the live ones finish for up to ``timeout`` seconds, aborts
+        the rest, and stops the engine thread."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for rid in list(self._streams):
+            self._submit(lambda rid=rid: self._abort(rid))
+        while self._streams and time.monotonic() < deadline + 2.0:   # consumers see the aborts
+            await asyncio.sleep(0.02)
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stops the engine thread (blocking); live requests fail with EngineClosed."""
+        self._accepting = False
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._cv:
+            self._commands.append(command)
+            self._cv.notify()
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _add(self, request_id: str, prompt, params, admitted: concurrent.futures.Future) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as e:   # ValueError / TypeError naming the field go back to the caller
+            admitted.set_exception(e)
+        else:
+            admitted.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        # The engine reports every abort of a request it holds (its next step returns the final
+        # output, and has_unfinished_requests() stays True until then), so nothing is made up
+        # here. An abort never overtakes its add: generate() queues the add before it can be
+        # cancelled or aborted, and commands run in order. An id the engine no longer holds
+        # (refused at admission, or already finished and reported) is ignored by the engine.
+        self.engine.abort(request_id)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._commands or self._stopping
+                               or self.engine.has_unfinished_requests()):
+                        self._cv.wait()
+                    commands, self._commands = self._commands, []
+                    if self._stopping:
+                        break
+                for command in commands:
+                    command()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:                        # the commands alone changed what is held
+                    self._snapshot = self._take_snapshot()
+        except BaseException as e:      # a bug in the loop itself: fail every caller, loudly
+            logger.exception("sfjax engine loop died")
+            self._fail_all(e)
+            raise
+        finally:
+            self._stopping = True
+            self._fail_all(EngineClosed("the engine has stopped"))
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:   # not one request's fault: every live request ends with it
+            logger.exception("sfjax engine step failed")
+            for rid in list(self._streams):
+                self.engine.abort(rid)
+            self._fail_all(RuntimeError(f"engine step failed: {e}"))
+            outs = []
+        self._snapshot = self._take_snapshot()
+        self._deliver(outs)
+        for log in self.stat_loggers:
+            try:
+                log(outs, self._snapshot)
+            except Exception:
+                logger.exception("stat logger failed")
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_dispatch, items)
+            except RuntimeError:        # the caller's loop has closed
+                pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            try:
+                stream.loop.call_soon_threadsafe(stream.fail, error)
+            except RuntimeError:
+                pass
+
+    def _take_snapshot(self) -> dict:
+        eng = self.engine
+        pools = eng.scheduler.pools
+        spec = eng.spec.metrics.as_dict() if eng.spec is not None else None
+        return {"num_running": len(eng.scheduler.running), "num_waiting": len(eng.scheduler.waiting),
+                "kv_blocks_free": sum(p.num_free for p in pools),
+                "kv_blocks_total": sum(p.num_blocks - 1 for p in pools),
+                "num_preemptions": eng.scheduler.num_preemptions, "stats": dict(eng.stats),
+                "spec_decode": spec, "time": time.monotonic()}
+
+
+def _dispatch(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.put(out)

@@ -1,0 +1,1 @@
+"""``sfjax serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over ``sfjax.AsyncLLM``."""

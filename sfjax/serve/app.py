@@ -1,0 +1,398 @@
+"""The OpenAI-compatible FastAPI app over an ``AsyncLLM``: /v1/completions, /v1/chat/completions
+(streamed as server-sent events or not), /v1/models, /health, /metrics, /tokenize, /detokenize.
+
+Every refused request gets OpenAI's error body naming the field; admission happens before the
+response starts, so a streamed request that the engine refuses still gets its 400 (or a 503 when
+the queue is full) rather than an error inside a 200 stream. A request that the engine ends with
+finish_reason "error" gets a 500 ("internal_error", the message naming the failure) or, once its
+stream has started, that error body as its last event before ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from sfjax.async_llm import AsyncLLM, EngineClosed, EngineOverloaded
+from sfjax.serve import protocol as P
+from sfjax.serve.protocol import APIError
+
+
+class ChatTemplate:
+    """The model folder's chat template (tokenizer_config.json), rendered through transformers;
+    a folder without one refuses chat requests with a 400."""
+
+    def __init__(self, model_path: str):
+        self.path = model_path
+        file = os.path.join(model_path, "tokenizer_config.json")
+        config = {}
+        if os.path.isfile(file):
+            with open(file) as f:
+                config = json.load(f)
+        self.available = bool(config.get("chat_template"))
+        self._tokenizer = None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.available:
+            raise APIError("this model has no chat template (no chat_template in its "
+                           "tokenizer_config.json); use /v1/completions", "messages")
+        if self._tokenizer is None:     # transformers loads only when chat is used
+            from transformers import PreTrainedTokenizerFast
+            self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.path)
+        try:
+            return self._tokenizer.apply_chat_template(
+                [_message(m, i) for i, m in enumerate(messages)], tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as e:           # jinja's TemplateError and the like
+            raise APIError(f"messages: the chat template failed: {e}", "messages") from None
+
+
+def _message(m: dict, i: int) -> dict:
+    """A message with its content as one string (text parts joined)."""
+    role, content = m.get("role"), m.get("content")
+    if role not in ("system", "user", "assistant", "developer", "tool"):
+        raise APIError(f"messages[{i}].role: {role!r} is not system, user, assistant or tool",
+                       "messages")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise APIError(f"messages[{i}].content: only text parts are offered", "messages")
+        content = "".join(p.get("text", "") for p in content)
+    if not isinstance(content, str):
+        raise APIError(f"messages[{i}].content must be a string or text parts", "messages")
+    return {"role": role, "content": content}
+
+
+class Delta:
+    """What one stream has sent of its request. While stop strings may still cut the text, the
+    last (longest stop - 1) characters are held back, so the streamed text never holds what the
+    final text drops."""
+
+    def __init__(self, params):
+        self.holdback = max(map(len, params.stop), default=1) - 1
+        self.text_sent = 0
+        self.tokens_sent = 0
+
+    def take(self, out) -> tuple[str, list[int], list]:
+        """(new text, new token ids, their (id, logprob entry) pairs)."""
+        c = out.outputs[0]
+        end = len(c.text) if out.finished else max(self.text_sent, len(c.text) - self.holdback)
+        text = c.text[self.text_sent:end]
+        self.text_sent = max(self.text_sent, end)
+        ids = c.token_ids[self.tokens_sent:]
+        entries = list(zip(ids, c.logprobs[self.tokens_sent:])) if c.logprobs else []
+        self.tokens_sent = len(c.token_ids)
+        return text, ids, entries
+
+
+def _error_of(out) -> APIError | None:
+    """The APIError (500, "internal_error") of an output that the engine ended with
+    finish_reason "error", naming the failure (``RequestOutput.error``); None for any other."""
+    reason = out.outputs[0].finish_reason if out.outputs else None
+    if reason != "error" and out.error is None:
+        return None
+    return APIError(f"the request failed in the engine: {out.error or 'no detail given'}",
+                    status=500, type="internal_error")
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(raw: Request, coro):
+    """Runs ``coro``; a client that leaves first cancels it (its request is aborted)."""
+    task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise APIError("the client disconnected", status=499, type="client_closed")
+    return task.result()
+
+
+class Server:
+    """The routes' state: the engine, the served name, the chat template, the metrics."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, model_path: str, metrics=None):
+        self.engine, self.model_name, self.model_path = engine, model_name, model_path
+        self.chat_template = ChatTemplate(model_path)
+        self.metrics = metrics
+        self.tokenizer = engine.get_tokenizer()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"model {name!r} is not served here; this server serves "
+                           f"{self.model_name!r}", "model", code="model_not_found")
+
+    async def start(self, prompt, params, request_id: str, renames: dict):
+        """Admits the request and waits for its first output: (first output, the generator)."""
+        gen = self.engine.generate(prompt, params, request_id)
+        try:
+            first = await gen.__anext__()
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e), P.error_param(str(e), renames)) from None
+        except EngineOverloaded as e:
+            raise APIError(f"the server is overloaded: {e}; retry later", status=503,
+                           type="service_unavailable") from None
+        except EngineClosed as e:
+            raise APIError(str(e), status=503, type="service_unavailable") from None
+        return first, gen
+
+    # -- completions ---------------------------------------------------------------------------
+
+    async def completions(self, req: P.CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        params, prompt = P.completion_params(req), P.completion_prompt(req)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        first, gen = await _unless_disconnected(raw, self.start(prompt, params, rid, {}))
+        if req.stream:
+            return _sse(self._completion_chunks(req, params, rid, first, gen))
+        out = await _unless_disconnected(raw, _last(first, gen))
+        if (err := _error_of(out)) is not None:
+            raise err
+        c = out.outputs[0]
+        choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason,
+                  "logprobs": (P.completion_logprobs(list(zip(c.token_ids, c.logprobs)), 0)
+                               if params.logprobs is not None else None)}
+        if req.return_token_ids:
+            choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+        body = {**P.envelope("text_completion", rid, self.model_name), "choices": [choice],
+                "usage": P.usage(out), "sfjax": P.sfjax_info(out)}
+        return JSONResponse(body, headers=_certificate_header(out))
+
+    def _completion_chunks(self, req, params, rid, first, gen) -> AsyncIterator[dict]:
+        def choice(out, text, ids, entries, offset, reason) -> dict:
+            c = out.outputs[0]
+            choice = {"index": 0, "text": text, "finish_reason": reason,
+                      "stop_reason": c.stop_reason if reason else None,
+                      "logprobs": (P.completion_logprobs(entries, offset)
+                                   if params.logprobs is not None else None)}
+            if req.return_token_ids:
+                choice["token_ids"] = ids
+                if offset == 0 and len(ids) == len(c.token_ids):
+                    choice["prompt_token_ids"] = out.prompt_token_ids
+            return choice
+        return _chunks(req, params, first, gen, _head("text_completion", rid, self.model_name),
+                       choice)
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    async def chat(self, req: P.ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        params = P.chat_params(req)
+        text = self.chat_template.render(req.messages, req.add_generation_prompt)
+        prompt = {"prompt": text,
+                  "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False).ids}
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        renames = {"prompt": "messages"}
+        first, gen = await _unless_disconnected(raw, self.start(prompt, params, rid, renames))
+        top = req.top_logprobs or 0
+        if req.stream:
+            return _sse(self._chat_chunks(req, params, rid, first, gen, top))
+        out = await _unless_disconnected(raw, _last(first, gen))
+        if (err := _error_of(out)) is not None:
+            raise err
+        c = out.outputs[0]
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                  "logprobs": (P.chat_logprobs(list(zip(c.token_ids, c.logprobs)), top)
+                               if req.logprobs else None)}
+        if req.return_token_ids:
+            choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+        body = {**P.envelope("chat.completion", rid, self.model_name), "choices": [choice],
+                "usage": P.usage(out), "sfjax": P.sfjax_info(out)}
+        return JSONResponse(body, headers=_certificate_header(out))
+
+    def _chat_chunks(self, req, params, rid, first, gen, top) -> AsyncIterator[dict]:
+        def choice(out, text, ids, entries, offset, reason) -> dict:
+            c = out.outputs[0]
+            choice = {"index": 0, "delta": {"content": text} if text or reason is None else {},
+                      "finish_reason": reason, "stop_reason": c.stop_reason if reason else None,
+                      "logprobs": P.chat_logprobs(entries, top) if req.logprobs else None}
+            if req.return_token_ids:
+                choice["token_ids"] = ids
+            return choice
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+        return _chunks(req, params, first, gen, _head("chat.completion.chunk", rid, self.model_name),
+                       choice, opening=role)
+
+    # -- the rest ------------------------------------------------------------------------------
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "sfjax", "root": self.model_path,
+            "max_model_len": self.engine.engine.config.max_model_len,
+            "vocab_size": self.engine.engine.cfg.vocab_size}]}
+
+    def tokenize(self, req: P.TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            text = self.chat_template.render(req.messages)
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids
+        return {"count": len(ids), "max_model_len": self.engine.engine.config.max_model_len,
+                "tokens": ids}
+
+    def detokenize(self, req: P.DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        vocab = self.engine.engine.cfg.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"tokens: {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+def _head(kind: str, rid: str, model: str):
+    """A stream's chunk envelope (a fresh dict a call), all created at the same time."""
+    created = int(time.time())
+    return lambda: P.envelope(kind, rid, model, created)
+
+
+async def _chunks(req, params, first, gen, head, choice, opening: dict | None = None
+                  ) -> AsyncIterator[dict]:
+    """A streamed response's chunks: ``opening`` (a first choice, if given), then one per output
+    with new text, tokens or the end (``choice(out, text, ids, logprob entries, text offset,
+    finish reason or None)``), then with include_usage a last chunk with the usage. An output
+    the engine failed ends the stream with OpenAI's error body as its event (before [DONE])."""
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices: list, **extra) -> dict:
+        return {**head(), "choices": choices, **({"usage": None} if include_usage else {}), **extra}
+
+    if opening is not None:
+        yield chunk([opening])
+    delta, out = Delta(params), first
+    async with contextlib.aclosing(_chain(first, gen)) as outs:
+        async for out in outs:
+            if (err := _error_of(out)) is not None:
+                yield err.body()
+                return
+            offset = delta.text_sent
+            text, ids, entries = delta.take(out)
+            reason = out.outputs[0].finish_reason if out.finished else None
+            if text or ids or reason is not None:
+                yield chunk([choice(out, text, ids, entries, offset, reason)],
+                            **({"sfjax": P.sfjax_info(out)} if reason is not None else {}))
+    if include_usage:
+        yield {**head(), "choices": [], "usage": P.usage(out)}
+
+
+def _certificate_header(out) -> dict:
+    cert = out.certificate
+    return {} if cert is None else {"x-sfjax-certificate": f"{cert.strategy}; {cert.exactness}"}
+
+
+async def _chain(first, gen) -> AsyncIterator:
+    """The first output, then the rest; closing it closes (and so aborts) the request."""
+    try:
+        yield first
+        if not first.finished:
+            async for out in gen:
+                yield out
+    finally:
+        await gen.aclose()
+
+
+async def _last(first, gen):
+    out = first
+    async for out in _chain(first, gen):
+        pass
+    return out
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await chunks.aclose()
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache"})
+
+
+async def _parse(raw: Request, model):
+    """The body as ``model``: malformed JSON or a field at fault is a 400 naming it (whatever
+    the content type says, as OpenAI's clients and curl -d both send JSON)."""
+    try:
+        data = json.loads(await raw.body())
+    except ValueError as e:
+        raise APIError(f"malformed JSON: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        path = ".".join(loc) or "body"
+        raise APIError(f"{path}: {err.get('msg')}", loc[0] if loc else None) from None
+
+
+def build_app(engine: AsyncLLM, model_name: str, model_path: str, metrics=None,
+              shutdown_timeout: float = 10.0) -> FastAPI:
+    """The app; its lifespan's end shuts the engine down (live requests finish or abort)."""
+    server = Server(engine, model_name, model_path, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        await engine.shutdown(shutdown_timeout)
+
+    app = FastAPI(title="sfjax", lifespan=lifespan)
+    app.state.server = server
+    app.add_exception_handler(APIError, lambda _, e: JSONResponse(
+        e.body(), status_code=e.status, headers={"retry-after": "1"} if e.status == 503 else None))
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await server.completions(await _parse(raw, P.CompletionRequest), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        return await server.chat(await _parse(raw, P.ChatCompletionRequest), raw)
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        if metrics is None:
+            return Response(status_code=404)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return server.tokenize(await _parse(raw, P.TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return server.detokenize(await _parse(raw, P.DetokenizeRequest))
+
+    return app

@@ -1,0 +1,123 @@
+"""The ``serve`` subcommand and ``bench --base-url``, hooked into ``sfjax.cli.build_parser``.
+
+Nothing here imports FastAPI, uvicorn or JAX until a subcommand runs, so ``sfjax --help`` stays
+quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import threading
+
+logger = logging.getLogger("sfjax")
+
+
+_SERVE_OPTIONS = (     # flag, type, default, help
+    ("--host", str, "127.0.0.1", None),
+    ("--port", int, 8000, None),
+    ("--served-model-name", str, None,
+     "the name requests give as 'model' (default: the model argument, or 'sfjax-default')"),
+    ("--max-waiting", int, 512,
+     "requests admitted beyond --max-num-seqs; more get 503 (retry later)"),
+    ("--shutdown-timeout", float, 10.0,
+     "on SIGTERM: seconds live requests may take to finish before they are aborted"),
+)
+
+
+def add_parser(sub, common) -> None:
+    """``sfjax serve [MODEL] [--host] [--port] ...`` with ``common``'s engine flags."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming)",
+                       description="Serves MODEL (an HF folder; default: the embedded pair, "
+                                   "speculating with its n-gram table, k = 3) over HTTP with "
+                                   "OpenAI's API: /v1/completions, /v1/chat/completions, "
+                                   "/v1/models, /health, /metrics, /tokenize, /detokenize.")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF model folder (same as --model)")
+    for flag, kind, default, text in _SERVE_OPTIONS:
+        s.add_argument(flag, type=kind, default=default, help=text)
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    common(s)
+    s.set_defaults(run=run_serve)
+
+
+def add_bench_args(b: argparse.ArgumentParser, offline) -> None:
+    """``sfjax bench --base-url URL`` drives a running server; without it ``offline`` runs."""
+    b.add_argument("--base-url", default=None,
+                   help="a running sfjax (or OpenAI-compatible) server: benchmark it over HTTP "
+                        "with streamed /v1/completions, like vllm bench serve")
+    b.add_argument("--max-concurrency", type=int, default=None,
+                   help="with --base-url: requests in flight at most (default: all at once)")
+    b.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="with --base-url: Poisson arrivals per second (default inf: all at t = 0)")
+    b.add_argument("--compare-offline", action="store_true",
+                   help="with --base-url: also run the same prompts through an offline engine "
+                        "built here from the same engine flags, at the same concurrency, and "
+                        "print the server / offline output-throughput ratio")
+
+    def run(args):
+        if args.base_url is None:
+            return offline(args)
+        from sfjax.serve.bench import main as bench_main
+        return bench_main(args)
+    b.set_defaults(run=run)
+
+
+class _Server:
+    """uvicorn's server, exiting 0 after a SIGTERM / SIGINT: uvicorn re-raises the signal once it
+    has shut down, which would end the process with the signal's status instead."""
+
+    @staticmethod
+    def make(config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                sigs = (signal.SIGINT, signal.SIGTERM)
+                old = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+                try:
+                    yield
+                finally:
+                    for sig, handler in old.items():
+                        signal.signal(sig, handler)
+
+        return Server(config)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from sfjax.async_llm import AsyncLLM
+    from sfjax.cli import _llm
+    from sfjax.default_model import default_speculative_config
+    from sfjax.serve.app import build_app
+    from sfjax.serve.metrics import ServerMetrics
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ")
+        args.model = args.model_tag
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    llm = _llm(args, default_speculative_config() if args.model is None else None)
+    engine = AsyncLLM.from_llm(llm, max_waiting=args.max_waiting)
+    name = args.served_model_name or args.model or "sfjax-default"
+    metrics = ServerMetrics(engine, name)
+    engine.stat_loggers.append(metrics.record)
+    app = build_app(engine, name, llm.model_path, metrics, args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log,
+                            timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)))
+    try:
+        _Server.make(config).run()
+    finally:
+        engine.close()
+    logger.info("sfjax serve: stopped")
+    return 0

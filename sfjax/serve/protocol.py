@@ -1,0 +1,223 @@
+"""The OpenAI request bodies (pydantic), their mapping onto ``SamplingParams``, and the response
+and error shapes (OpenAI's, with vLLM's extra fields where vLLM has them)."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sfjax.sampling_params import SamplingParams
+
+# JSON has no -inf; vLLM reports a masked token's logprob as this
+MIN_LOGPROB = -9999.0
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras, then sfjax's."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+    # sfjax's: speculation per request
+    disable_spec_decode: bool = False
+    spec_strategy: str | None = None
+    spec_exactness: Literal["lossy", "distribution-exact", "path-exact"] | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True          # vLLM's
+    tools: list | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- requests to SamplingParams -----------------------------------------------------------------
+
+_FIELD = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)")
+
+
+def error_param(message: str, renames: dict[str, str]) -> str | None:
+    """The request field an engine or SamplingParams message names (its first word)."""
+    if "+ max_tokens" in message:            # prompt + max_tokens over max_model_len
+        return renames.get("max_tokens", "max_tokens")
+    m = _FIELD.match(message)
+    if m is None:
+        return None
+    field = {"prompt_token_ids": "prompt"}.get(m.group(1), m.group(1))
+    return renames.get(field, field)
+
+
+def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
+                    renames: dict[str, str]) -> SamplingParams:
+    """The request's SamplingParams; a refused value raises APIError(400) naming its field."""
+    if req.n != 1:
+        raise APIError(f"n = {req.n}: only n = 1 is offered", "n")
+    try:
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise APIError("logit_bias: keys must be token ids (integers as strings)", "logit_bias") from None
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, logit_bias=bias,
+            allowed_token_ids=req.allowed_token_ids, seed=req.seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            disable_spec_decode=req.disable_spec_decode, spec_strategy=req.spec_strategy,
+            spec_exactness=req.spec_exactness)
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e), error_param(str(e), renames)) from None
+
+
+def completion_params(req: CompletionRequest) -> SamplingParams:
+    for field, ok in (("echo", not req.echo), ("suffix", req.suffix is None),
+                      ("best_of", req.best_of in (None, 1))):
+        if not ok:
+            raise APIError(f"{field} is not offered", field)
+    return sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
+                           logprobs=req.logprobs, renames={})
+
+
+def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+    if req.tools:
+        raise APIError("tools are not offered", "tools")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs = true", "top_logprobs")
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return sampling_params(req, max_tokens=limit,
+                           logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                           renames={"logprobs": "top_logprobs", "max_tokens": field,
+                                    "prompt": "messages"})
+
+
+def completion_prompt(req: CompletionRequest) -> str | dict:
+    """One prompt: a str or token ids (a batch of one is unwrapped; larger batches are refused)."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise APIError(f"prompt: a batch of {len(p)} prompts; send one prompt per request",
+                           "prompt")
+        p = p[0]
+    if isinstance(p, list):
+        return {"prompt_token_ids": p}
+    return p
+
+
+# -- outputs to responses ------------------------------------------------------------------------
+
+def _lp(x: float) -> float:
+    return max(x, MIN_LOGPROB)
+
+
+def completion_logprobs(entries: list[dict], offset: int) -> dict:
+    """OpenAI's completions logprobs for output positions whose entries are given, the first at
+    ``offset`` characters into the text."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entry in entries:
+        chosen = entry[token_id]
+        piece = chosen.decoded_token or ""
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(_lp(chosen.logprob))
+        out["top_logprobs"].append({(lp.decoded_token or ""): _lp(lp.logprob) for lp in entry.values()})
+        out["text_offset"].append(offset)
+        offset += len(piece)
+    return out
+
+
+def chat_logprobs(entries: list[dict], top: int) -> dict:
+    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def one(lp):
+        piece = lp.decoded_token or ""
+        return {"token": piece, "logprob": _lp(lp.logprob), "bytes": list(piece.encode())}
+    content = []
+    for token_id, entry in entries:
+        tops = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top),
+                      key=lambda lp: lp.rank)
+        content.append({**one(entry[token_id]), "top_logprobs": [one(lp) for lp in tops]})
+    return {"content": content}
+
+
+def usage(out) -> dict:
+    n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids) if out.outputs else 0
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+def sfjax_info(out) -> dict:
+    """The request's exactness certificate and its speculation counters."""
+    cert = out.certificate
+    certificate = None if cert is None else {
+        "strategy": cert.strategy, "exactness": cert.exactness, "modes": dict(cert.modes)}
+    spec = out.metrics.spec_decode if out.metrics is not None else None
+    return {"certificate": certificate, "spec_decode": spec}
+
+
+def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict:
+    return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model}

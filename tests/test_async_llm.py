@@ -1,0 +1,243 @@
+"""``AsyncLLM`` in process on the tiny model: concurrent callers equal ``LLM.generate``,
+cancelling a consumer or ``abort`` frees the request's blocks, the loop sleeps when idle, a full
+queue refuses at once, shutdown ends every live request; and the app's 400 / 503 answers that
+need an engine of their own (a model with no chat template, an overloaded queue), and its 500 /
+error event for a request that fails in the engine while others carry on."""
+
+import json
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from sfjax import LLM, AsyncLLM, SamplingParams
+from sfjax.async_llm import EngineOverloaded
+
+GEOMETRY = dict(max_model_len=64, max_num_seqs=4, small_row_tiles=False)
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "class Cache:", "import jax"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_folder):
+    return LLM(tiny_folder, **GEOMETRY)
+
+
+def _params(i: int, n: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=n, ignore_eos=True)
+
+
+async def _collect(engine, prompt, params, rid):
+    ids, last = [], None
+    async for out in engine.generate(prompt, params, rid):
+        ids += out.new_token_ids
+        last = out
+    assert ids == last.outputs[0].token_ids, "a token lost or repeated in the stream"
+    return last
+
+
+async def _until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+class _Gate:
+    """A stat logger that, once armed, holds the engine thread after the step that gives
+    ``request_id`` tokens, until released."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.armed, self.held, self.go = False, threading.Event(), threading.Event()
+
+    def arm(self):
+        self.go.clear()
+        self.armed = True
+
+    def release(self):
+        self.armed = False
+        self.go.set()
+
+    def __call__(self, outputs, snapshot):
+        if self.armed and any(o.request_id == self.request_id for o in outputs):
+            self.held.set()
+            self.go.wait(10)
+            self.held.clear()
+
+
+def _idle(engine) -> bool:
+    s = engine.snapshot()
+    return (engine.num_live_requests == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
+            and s["kv_blocks_free"] == s["kv_blocks_total"])
+
+
+def test_async_llm(llm):
+    """One engine through every case in turn (compiled once)."""
+    jobs = [(PROMPTS[i % 4] * (1 + i % 3), _params(i)) for i in range(10)]
+    ref = llm.generate([p for p, _ in jobs], [p for _, p in jobs], use_tqdm=False)
+    gate = _Gate("q3")
+    engine = AsyncLLM.from_llm(llm, max_waiting=2, stat_loggers=[gate])
+
+    async def main():
+        outs = await asyncio.wait_for(asyncio.gather(
+            *(_collect(engine, p, sp, f"r{i}") for i, (p, sp) in enumerate(jobs[:6]))), 60)
+        for out, want in zip(outs, ref):
+            assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        # 4 running + 2 waiting admitted; the engine is held after the first step, so the
+        # next is refused at once and the abort lands before q3 can finish
+        gate.arm()
+        gens = [engine.generate(p, _params(i, 40), f"q{i}") for i, (p, _) in enumerate(jobs[:6])]
+        waiting = [asyncio.ensure_future(g.__anext__()) for g in gens[4:]]
+        firsts = await asyncio.wait_for(asyncio.gather(*(g.__anext__() for g in gens[:4])), 60)
+        assert [f.request_id for f in firsts] == ["q0", "q1", "q2", "q3"]
+        assert await asyncio.to_thread(gate.held.wait, 10)
+        with pytest.raises(EngineOverloaded):
+            await engine.generate(jobs[6][0], jobs[6][1], "over").__anext__()
+        await engine.abort("q3")                 # an abort reaches its consumer as a last output
+        for g in gens[:3]:                       # consumers that leave abort their requests
+            await g.aclose()
+        gate.release()
+        rest = [o async for o in gens[3]]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        assert len(rest[-1].outputs[0].token_ids) < 40
+        await asyncio.gather(*waiting)
+        for g in gens[4:]:
+            async for _ in g:
+                pass
+        await _until(lambda: _idle(engine))
+        steps = engine.snapshot()["stats"]["host_steps"]
+        await asyncio.sleep(0.3)
+        assert engine.snapshot()["stats"]["host_steps"] == steps, "the loop steps while idle"
+        with pytest.raises(ValueError, match="max_model_len"):   # admission errors reach the caller
+            await engine.generate("x " * 100, SamplingParams(), "long").__anext__()
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            await engine.generate("x", SamplingParams(stop_token_ids=[10**6]), "v").__anext__()
+        # shutdown: a live request is aborted once the grace time is up, and the thread ends
+        live = engine.generate(jobs[0][0], SamplingParams(max_tokens=50, ignore_eos=True), "s")
+        await live.__anext__()
+        await engine.shutdown(timeout=0.0)
+        assert not engine.is_running
+
+    asyncio.run(main())
+
+
+def test_app_refusals(tiny_folder, llm):
+    """The tiny model has no chat template (400 naming messages); a full queue answers 503."""
+    from sfjax.serve.app import build_app
+    from sfjax.serve.metrics import ServerMetrics
+
+    engine = AsyncLLM.from_llm(llm, max_waiting=0)
+    metrics = ServerMetrics(engine, "tiny")
+    engine.stat_loggers.append(metrics.record)
+    app = build_app(engine, "tiny", tiny_folder, metrics)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=60) as c:
+            r = await c.post("/v1/chat/completions",
+                             json={"messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            assert "chat template" in r.json()["error"]["message"]
+            r = await c.post("/v1/completions", json={"prompt": "def f", "max_tokens": 3,
+                                                      "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            hold = [engine.generate(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True),
+                                    f"h{i}") for i in range(4)]
+            await asyncio.gather(*(g.__anext__() for g in hold))
+            r = await c.post("/v1/completions", json={"prompt": "def f", "max_tokens": 3})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            for g in hold:
+                await g.aclose()
+            await _until(lambda: _idle(engine))
+            text = (await c.get("/metrics")).text
+            assert "sfjax:num_requests_running" in text and "sfjax:kv_cache_usage_perc" in text
+        await engine.shutdown(timeout=1.0)
+
+    asyncio.run(main())
+
+
+BAD_PROMPT = "raise Failure"
+
+
+class _Breaker:
+    """A stat logger (so it runs on the engine thread, between steps) that makes the
+    detokenizer of every request with BAD_PROMPT raise once the request has a token."""
+
+    def __init__(self, engine):
+        self.engine, self.broken = engine, set()
+
+    def __call__(self, outputs, snapshot):
+        for rid, req in list(self.engine.engine.requests.items()):
+            if req.prompt == BAD_PROMPT and req.output_token_ids and rid not in self.broken:
+                self.broken.add(rid)
+                req.detok.add = _boom
+
+
+def _boom(token):
+    raise RuntimeError(f"injected detokenizer failure at token {token}")
+
+
+def _events(text: str) -> list:
+    lines = [ln for ln in text.split("\n") if ln]
+    assert all(ln.startswith("data: ") for ln in lines), text
+    return [ln[6:] if ln == "data: [DONE]" else json.loads(ln[6:]) for ln in lines]
+
+
+def test_request_failure(tiny_folder, llm):
+    """A request whose host work fails ends alone with finish_reason "error": AsyncLLM hands it
+    over with RequestOutput.error; the app answers 500 (non-streamed) or an error event then
+    [DONE] (streamed); concurrent good requests get exactly their tokens."""
+    from sfjax.serve.app import build_app
+
+    good = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = llm.generate(PROMPTS[:2], [good, _params(1)], use_tqdm=False)
+    engine = AsyncLLM.from_llm(llm)
+    breaker = _Breaker(engine)
+    engine.stat_loggers.append(breaker)
+    app = build_app(engine, "tiny", tiny_folder)
+    body = {"prompt": BAD_PROMPT, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+    async def bad_direct():
+        outs = [o async for o in engine.generate(BAD_PROMPT, SamplingParams(max_tokens=40,
+                                                 ignore_eos=True), "bad")]
+        return outs[-1]
+
+    async def main():
+        last, g0, g1 = await asyncio.wait_for(asyncio.gather(
+            bad_direct(), _collect(engine, PROMPTS[0], good, "g0"),
+            _collect(engine, PROMPTS[1], _params(1), "g1")), 60)
+        assert last.finished and last.outputs[0].finish_reason == "error"
+        assert "RuntimeError: injected detokenizer failure" in last.error
+        assert len(last.outputs[0].token_ids) < 40
+        assert g0.outputs[0].token_ids == ref[0].outputs[0].token_ids
+        assert g1.outputs[0].token_ids == ref[1].outputs[0].token_ids
+        assert g0.outputs[0].finish_reason == g1.outputs[0].finish_reason == "length"
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=60) as c:
+            plain, streamed, ok = await asyncio.gather(
+                c.post("/v1/completions", json=body),
+                c.post("/v1/completions", json={**body, "stream": True}),
+                c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 12,
+                                                "ignore_eos": True, "temperature": 0,
+                                                "return_token_ids": True}))
+        assert plain.status_code == 500, plain.text
+        err = plain.json()["error"]
+        assert err["type"] == "internal_error"
+        assert "injected detokenizer failure" in err["message"]
+        assert streamed.status_code == 200
+        events = _events(streamed.text)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["type"] == "internal_error"
+        assert "injected detokenizer failure" in events[-2]["error"]["message"]
+        assert events[:-2] and all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["token_ids"] == ref[0].outputs[0].token_ids
+        assert len(breaker.broken) == 3
+        await _until(lambda: _idle(engine))
+        await engine.shutdown(timeout=1.0)
+
+    asyncio.run(main())

@@ -1,0 +1,391 @@
+"""``sfjax serve`` as a real subprocess on 127.0.0.1, driven by the real ``openai`` client.
+
+Every token that comes back over HTTP, streamed or not, must equal ``LLM.generate``'s for the
+same prompt and params in this process: the server speculates (the embedded pair's default,
+n-gram with its table, path-exact), the reference does not, and requests that opt out of
+speculation (``disable_spec_decode``) run plain in the same batches. One server serves the whole
+module; the last test SIGTERMs it while requests stream.
+"""
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from sfjax import LLM, SamplingParams
+
+GEOMETRY = dict(max_model_len=128, max_num_seqs=16, small_row_tiles=False)
+SERVE_FLAGS = ["--max-model-len", "128", "--max-num-seqs", "16", "--no-small-row-tiles",
+               "--max-waiting", "1024", "--log-level", "warning", "--shutdown-timeout", "10"]
+MODEL = "sfjax-default"
+PROMPTS = ["def fib(n):", "class Cache:\n    def __init__(self", "import os\nimport sys\n",
+           "for i in range(10):", "    return self.", "if __name__ == '__main__':"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "sfjax", "serve", "--port", str(port),
+                             *SERVE_FLAGS], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited: {proc.stdout.read()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the server did not come up in 120 s")
+    proc.url = url
+    yield proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(**GEOMETRY)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _sampling(kw: dict) -> SamplingParams:
+    """The offline SamplingParams of a request's fields."""
+    names = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "min_tokens",
+             "stop_token_ids", "disable_spec_decode")
+    return SamplingParams(**{k: v for k, v in kw.items() if k in names})
+
+
+def _split(kw: dict) -> tuple[dict, dict]:
+    """OpenAI's own arguments, and the extras that go in extra_body."""
+    own = ("temperature", "top_p", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
+           "stop", "logprobs", "top_logprobs")
+    return ({k: v for k, v in kw.items() if k in own},
+            {k: v for k, v in kw.items() if k not in own} | {"return_token_ids": True})
+
+
+CASES = [
+    dict(temperature=0.0, max_tokens=24),
+    dict(temperature=0.8, seed=7, max_tokens=24),
+    dict(temperature=0.8, seed=11, top_p=0.9, top_k=40, min_p=0.02, presence_penalty=0.5,
+         frequency_penalty=0.3, repetition_penalty=1.1, max_tokens=20),
+    dict(temperature=0.8, seed=3, max_tokens=16, disable_spec_decode=True),
+    dict(temperature=0.0, max_tokens=30, stop=["\n\n", ")"], min_tokens=2),
+    dict(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[7]),
+]
+
+
+def _complete(client, prompt, kw, stream):
+    own, extra = _split(kw)
+    if not stream:
+        r = client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **own)
+        c = r.choices[0]
+        return c.text, c.model_extra["token_ids"], c.finish_reason, r.usage
+    text, ids, reason, usage = "", [], None, None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body=extra, **own):
+        for c in chunk.choices:
+            text += c.text
+            ids += c.model_extra.get("token_ids") or []
+            reason = c.finish_reason or reason
+        usage = chunk.usage or usage
+    return text, ids, reason, usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_equal_offline(client, offline, stream):
+    prompts = PROMPTS[:2]
+    jobs = [(p, kw) for kw in CASES for p in prompts]
+    ref = offline.generate([p for p, _ in jobs], [_sampling(kw) for _, kw in jobs], use_tqdm=False)
+    for (prompt, kw), r in zip(jobs, ref):
+        text, ids, reason, usage = _complete(client, prompt, kw, stream)
+        want = r.outputs[0]
+        assert ids == want.token_ids, (prompt, kw)
+        assert text == want.text and reason == want.finish_reason, (prompt, kw)
+        assert usage.prompt_tokens == len(r.prompt_token_ids)
+        assert usage.completion_tokens == len(want.token_ids)
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def _chat_ids(offline, messages) -> list[int]:
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast.from_pretrained(offline.model_path)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return offline.get_tokenizer().encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_equals_offline(client, offline, stream):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "def fib(n):"}]
+    ids = _chat_ids(offline, messages)
+    for kw in CASES[:4]:
+        want = offline.generate({"prompt_token_ids": ids}, _sampling(kw), use_tqdm=False)[0].outputs[0]
+        own, extra = _split(kw)
+        if not stream:
+            r = client.chat.completions.create(model=MODEL, messages=messages, extra_body=extra, **own)
+            c = r.choices[0]
+            got, text, reason = c.model_extra["token_ids"], c.message.content, c.finish_reason
+            assert c.message.role == "assistant"
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(got))
+            assert r.model_extra["sfjax"]["certificate"]["exactness"] == "path-exact"
+        else:
+            got, text, reason, roles = [], "", None, []
+            for chunk in client.chat.completions.create(model=MODEL, messages=messages,
+                                                        stream=True, extra_body=extra, **own):
+                for c in chunk.choices:
+                    roles += [c.delta.role] if c.delta.role else []
+                    text += c.delta.content or ""
+                    got += c.model_extra.get("token_ids") or []
+                    reason = c.finish_reason or reason
+            assert roles == ["assistant"]
+        assert got == want.token_ids and text == want.text and reason == want.finish_reason, kw
+
+
+def test_logprobs_shapes(client, offline):
+    prompt = PROMPTS[0]
+    want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=3),
+                            use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    for i, (t, entry) in enumerate(zip(want.token_ids, want.logprobs)):
+        assert lp.token_logprobs[i] == pytest.approx(entry[t].logprob, abs=1e-4)
+        assert 3 <= len(lp.top_logprobs[i]) <= 4
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x = 1"}],
+                                       temperature=0, max_tokens=5, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 5
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.bytes == list(e.token.encode()) and e.logprob <= 0
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8,
+                                            logprobs=2, stream=True))
+    assert sum(len(ch.choices[0].logprobs.tokens) for ch in chunks if ch.choices) == 8
+
+
+BAD_COMPLETIONS = [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=2.0), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=2), "n"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(seed=-1), "seed"),
+    (dict(logit_bias={"abc": 1.0}), "logit_bias"),
+    (dict(logit_bias={"999999": 1.0}), "logit_bias"),
+    (dict(max_tokens=1000), "max_tokens"),
+    (dict(extra_body={"stop_token_ids": [-3]}), "stop_token_ids"),
+    (dict(extra_body={"top_k": -5}), "top_k"),
+    (dict(extra_body={"min_tokens": 20}, max_tokens=10), "min_tokens"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(temperature="hot"), "temperature"),
+]
+
+
+@pytest.mark.parametrize("kw,param", BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
+def test_bad_completions_get_400(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="def f():", **kw)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param, e.value.body
+    assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"]
+
+
+def test_other_bad_requests_get_400(client, server):
+    cases = [
+        (lambda: client.completions.create(model="no-such-model", prompt="x"), "model"),
+        (lambda: client.completions.create(model=MODEL, prompt="def f():\n" * 200), "prompt"),
+        (lambda: client.completions.create(model=MODEL, prompt=["a", "b"]), "prompt"),
+        (lambda: client.completions.create(model=MODEL, prompt="x", stream=True,
+                                           temperature=-1), "temperature"),
+        (lambda: client.chat.completions.create(model=MODEL, messages=[]), "messages"),
+        (lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "robot", "content": "hi"}]), "messages"),
+        (lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True,
+            top_logprobs=25), "top_logprobs"),
+        (lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=-1), "max_completion_tokens"),
+    ]
+    for call, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param, e.value.body
+    for body in (b'{"prompt": "x"', b"[1, 2", b"not json"):
+        r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=10)
+        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 3}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_models_tokenize_detokenize(client, server, offline):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "def fib(n):"}, timeout=10).json()
+    assert r["tokens"] == offline.get_tokenizer().encode("def fib(n):").ids
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 128
+    d = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"][1:]}, timeout=10).json()
+    assert d["prompt"] == "def fib(n):"
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10**6]}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def _metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            name = name.split("{")[0]                 # summed over labels
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def _concurrent_jobs(n: int) -> list[dict]:
+    rng = random.Random(0)
+    jobs = []
+    for i in range(n):
+        kw = dict(max_tokens=rng.randint(2, 40), temperature=rng.choice([0.0, 0.8]))
+        if kw["temperature"]:
+            kw["seed"] = i
+        if i % 7 == 0:
+            kw["disable_spec_decode"] = True
+        if i % 11 == 0:
+            kw["top_k"] = 20
+        prompt = rng.choice(PROMPTS) + rng.choice(["", " x", "\n", "  # note\n"])
+        jobs.append(dict(prompt=prompt, kw=kw, cancel_after=rng.randint(1, 3) if i % 10 == 3 else None))
+    return jobs
+
+
+async def _stream_one(client, job, results):
+    own, extra = _split(job["kw"])
+    text, ids, reason = "", [], None
+    stream = await client.completions.create(model=MODEL, prompt=job["prompt"], stream=True,
+                                             extra_body=extra, **own)
+    chunks = 0
+    async for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+            ids += c.model_extra.get("token_ids") or []
+            reason = c.finish_reason or reason
+        chunks += 1
+        if job["cancel_after"] is not None and chunks >= job["cancel_after"] and reason is None:
+            await stream.close()          # the client goes away mid-stream
+            results.append(None)
+            return
+    results.append((job, text, ids, reason))
+
+
+async def _health_while(url: str, done: asyncio.Event, seen: list):
+    async with httpx.AsyncClient(timeout=5) as h:
+        while not done.is_set():
+            seen.append((await h.get(f"{url}/health")).status_code)
+            await asyncio.sleep(0.25)
+
+
+def test_200_concurrent_streams(server, offline):
+    jobs = _concurrent_jobs(200)
+    ref = offline.generate([j["prompt"] for j in jobs], [_sampling(j["kw"]) for j in jobs],
+                           use_tqdm=False)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                    timeout=150, http_client=httpx.AsyncClient(
+                                        limits=httpx.Limits(max_connections=256), timeout=150))
+        results, health, done = [], [], asyncio.Event()
+        poller = asyncio.create_task(_health_while(server.url, done, health))
+        await asyncio.wait_for(asyncio.gather(*(_stream_one(client, j, results) for j in jobs)), 150)
+        done.set()
+        await poller
+        await client.close()
+        return results, health
+
+    t0 = time.monotonic()
+    results, health = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    completed = [r for r in results if r is not None]
+    assert len(results) == 200 and len(completed) >= 175
+    mismatches = []
+    for job, text, ids, reason in completed:
+        want = ref[jobs.index(job)].outputs[0]
+        if (ids, text, reason) != (want.token_ids, want.text, want.finish_reason):
+            mismatches.append((job, ids, want.token_ids))
+    assert not mismatches, mismatches[:3]
+    assert health and set(health) == {200}, health
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:            # aborts land within a step or two
+        m = _metrics(server.url)
+        if m["sfjax:num_requests_live"] == 0 and m["sfjax:num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["sfjax:num_requests_live"] == 0 and m["sfjax:num_requests_waiting"] == 0
+    assert m["sfjax:kv_cache_free_blocks"] == m["sfjax:kv_cache_total_blocks"], "a KV block leaked"
+    assert m["sfjax:kv_cache_usage_perc"] == 0.0
+    assert m["sfjax:request_success_total"] >= len(completed)
+    assert m["sfjax:time_to_first_token_seconds_count"] >= len(completed)
+    assert m["sfjax:spec_decode_num_drafts_total"] > 0
+    print(f"200 streams in {elapsed:.1f} s, {200 - len(completed)} cancelled")
+
+
+def test_sigterm_while_streaming(server):
+    """Last: SIGTERM with requests streaming; they finish (or are aborted) and the server exits
+    0 in bounded time."""
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                    timeout=60)
+        got = []
+
+        async def one(i):
+            n = 0
+            try:
+                stream = await client.completions.create(
+                    model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=100, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True})
+                async for _ in stream:
+                    n += 1
+                    if n == 1 and i == 0:
+                        server.send_signal(signal.SIGTERM)
+            except (openai.APIError, httpx.HTTPError):
+                pass
+            got.append(n)
+
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 60)
+        await client.close()
+        return got
+
+    t0 = time.monotonic()
+    got = asyncio.run(main())
+    assert server.wait(30) == 0, server.stdout.read()
+    assert time.monotonic() - t0 < 45 and len(got) == 8 and max(got) > 0
