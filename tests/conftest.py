@@ -57,5 +57,14 @@ def tiny_folder(model_folder):
     """The default tiny test model: vocab 512, 2 layers, GQA 4/2, float32."""
     return model_folder(toy.tiny_config(), seed=0, std=0.1)
 
-# No jax.clear_caches() between modules: engines free their own compiled programs
-# (sfjax.engine.programs), and a cache clear here would hide from the suite a leak users hit.
+@pytest.fixture(autouse=True, scope="module")
+def _release_module_level_programs():
+    """Drops, after each test module, what jax.jit caches for module-level functions: the
+    kernels and sfjax.functional's rounds that tests call directly, at hundreds of shapes no
+    user process meets (one worker of the suite otherwise reaches the kernel's 65,530 memory
+    maps and XLA:CPU's compiler segfaults). Engines do not need it: each owns its programs and
+    frees them when dropped (sfjax.engine.programs), which
+    tests/test_reliability.py::test_sixty_engines_stay_bounded checks in a fresh process with
+    no cache clear at all."""
+    yield
+    jax.clear_caches()

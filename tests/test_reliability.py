@@ -303,7 +303,8 @@ MEMORY_SCRIPT = textwrap.dedent("""
     jnp.ones(3).block_until_ready()                     # the backend's own start-up first
     base, seen = (maps(), rss_mib()), {}
     for i in range(n):
-        llm = LLM(folder, max_num_seqs=2, max_model_len=32 + 16 * (i % 3), num_scheduler_steps=1,
+        shape = i // 10 % 3                             # runs of ten: A B C A B C
+        llm = LLM(folder, max_num_seqs=2, max_model_len=32 + 16 * shape, num_scheduler_steps=1,
                   small_row_tiles=False, enable_prefix_caching=False)
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=2),
                            use_tqdm=False)
@@ -318,9 +319,11 @@ MEMORY_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sixty_engines_stay_bounded(tiny_folder):
-    """60 engines of three shapes, one at a time, with room for two in the program cache: each
-    new engine compiles and the oldest programs are freed. The growth from engine 10 to the
-    last is under two engines' footprint, in memory maps and in resident memory."""
+    """60 engines, one at a time, in runs of ten of three shapes (A B C A B C), with room for
+    two shapes in the program cache: an engine of a cached shape compiles nothing, and each run
+    of a new shape compiles and frees the oldest shape's programs (four times after engine 10).
+    The growth from engine 10 to the last is under two engines' footprint, in memory maps and in
+    resident memory (with module-level jits each of those runs would keep a footprint)."""
     env = {**os.environ, "SFJAX_PROGRAM_CACHE": "2", "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, tiny_folder, "60"], env=env,
                          capture_output=True, text=True, timeout=600)

@@ -132,7 +132,7 @@ def test_engine_state_machine(engines):
             # and finish in fewer steps, which hypothesis reports as a flaky precondition
             pressed.reset_prefix_cache()
             self.requests = {}          # id -> (prompt, params)
-            self.streamed, self.finished, self.aborted = {}, {}, set()
+            self.streamed, self.finished, self.aborted, self.closed = {}, {}, set(), set()
             self.n = 0
 
         @rule(family=st.integers(0, len(FAMILIES) - 1), cut=st.integers(1, 30),
@@ -151,10 +151,14 @@ def test_engine_state_machine(engines):
         def step(self):
             for out in self.eng.step():
                 rid = out.request_id
-                assert rid not in self.finished and rid not in self.aborted
+                assert rid not in self.finished and rid not in self.closed
                 self.streamed.setdefault(rid, []).extend(out.new_token_ids)
                 assert self.streamed[rid] == out.outputs[0].token_ids
-                if out.finished:
+                if out.outputs[0].finish_reason == "abort":    # an abort's one final output
+                    assert rid in self.aborted and out.finished and not out.new_token_ids
+                    self.closed.add(rid)
+                elif out.finished:
+                    assert rid not in self.aborted
                     self.finished[rid] = out.outputs[0].token_ids
 
         @precondition(lambda self: self.eng.requests)
@@ -173,6 +177,7 @@ def test_engine_state_machine(engines):
                 self.step()
             check_idle(self.eng)
             assert set(self.finished) | self.aborted == set(self.requests), "a request was lost"
+            assert self.closed == self.aborted, "an aborted request got no final output"
             done = sorted(self.finished)
             if done:
                 expected = ref.generate([self.requests[r][0] for r in done],

@@ -69,12 +69,14 @@ def _build(engine) -> Programs:
 
 
 def _key(engine) -> tuple:
-    """Everything a program of ``engine`` is specialised on: static settings and the shapes and
-    dtypes of the arrays it carries (the batch's shapes are keyed by jit itself)."""
-    spec = engine.spec
+    """What the programs of ``engine`` are specialised on, and nothing more (so engines that
+    differ only in host settings share them): the static arguments ``_build`` binds and the
+    shapes and dtypes of the arrays they carry (the batch's shapes are keyed by jit itself)."""
+    c, spec = engine.config, engine.spec
     arrays = (engine.weights, engine.state, spec.draft_weights if spec else None,
               spec.draft_cache if spec else None)
-    statics = (engine.cfg, dataclasses.replace(engine.config, seed=0), engine.mesh, engine._split,
+    statics = (engine.cfg, c.row_tile, c.sampler, c.attention, c.block_size, c.max_model_len,
+               c.num_scheduler_steps, engine.mesh, engine._split,
                None if spec is None else (spec.draft_cfg, spec.round, spec.mesh, spec.config))
     return statics, _shapes(arrays)
 
