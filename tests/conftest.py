@@ -6,6 +6,11 @@ import tempfile
 import jax
 import pytest
 
+# Engines share compiled programs through a bounded LRU (sfjax.engine.programs, 16 programs by
+# default); a test module builds many engine shapes in turn, so the suite keeps more (the
+# module-end clear below drops their executables anyway). The memory test sets its own.
+os.environ.setdefault("SFJAX_PROGRAM_CACHE", "64")
+
 _CACHE_DIR = tempfile.mkdtemp(prefix="sfjax-jit-cache-")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -25,7 +25,7 @@ def _drive(eng, arrivals, abort_at=None):
     request emits after it finished or was aborted. Returns {request_id: token ids} of the
     requests that finished."""
     abort_at = abort_at or {}
-    streamed, finished, aborted = {}, {}, set()
+    streamed, finished, aborted, closed = {}, {}, set(), set()
     step = 0
     while step <= max(arrivals, default=0) or eng.has_unfinished_requests():
         for rid, prompt, params in arrivals.get(step, ()):
@@ -36,14 +36,19 @@ def _drive(eng, arrivals, abort_at=None):
                 aborted.add(rid)
         for out in eng.step():
             rid = out.request_id
-            assert rid not in finished and rid not in aborted, f"{rid} emitted after it ended"
+            assert rid not in finished and rid not in closed, f"{rid} emitted after it ended"
             streamed.setdefault(rid, []).extend(out.new_token_ids)
             assert streamed[rid] == out.outputs[0].token_ids, f"{rid}: a token lost or repeated"
-            if out.finished:
+            if out.outputs[0].finish_reason == "abort":      # its one final output
+                assert rid in aborted and not out.new_token_ids, f"{rid}: a stray abort output"
+                closed.add(rid)
+            elif out.finished:
+                assert rid not in aborted, f"{rid} emitted after it was aborted"
                 finished[rid] = out.outputs[0].token_ids
         check_engine(eng)
         step += 1
     check_idle(eng)
+    assert closed == aborted - set(finished), "an aborted request got no final output"
     return finished
 
 

@@ -7,11 +7,11 @@ a notebook or a sweep building engine after engine dies at the kernel's 65,530).
 instead jits fresh closures of them (``Programs``): once nothing holds its ``Programs``, JAX's
 caches, keyed weakly on those closures, release the executables.
 
-Engines with the same static settings and array shapes share one ``Programs`` (the same
-computation, so the same bits) through a small process-wide LRU of ``PROGRAM_CACHE_SIZE`` entries
-(default 4; the environment variable ``SFJAX_PROGRAM_CACHE`` sets it, 0 keeps none): rebuilding
-the same engine, as a test suite or an evaluation loop does, compiles once, and the memory held
-is bounded by that many program sets plus the live engines'.
+Engines that agree on what a program is specialised on share it (the same computation, so the
+same bits) through a small process-wide LRU of ``PROGRAM_CACHE_SIZE`` programs (default 16, about
+four engines' worth; the environment variable ``SFJAX_PROGRAM_CACHE`` sets it, 0 keeps none):
+rebuilding the same engine, as a test suite or an evaluation loop does, compiles once, and the
+memory held is bounded by that many programs plus the live engines'.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from sfjax import step
 from sfjax.engine import rounds
 from sfjax.spec.round import spec_step
 
-PROGRAM_CACHE_SIZE = int(os.environ.get("SFJAX_PROGRAM_CACHE", "4"))
+PROGRAM_CACHE_SIZE = int(os.environ.get("SFJAX_PROGRAM_CACHE", "16"))
 
 _recent: collections.OrderedDict = collections.OrderedDict()
 
@@ -53,43 +53,43 @@ def _shapes(tree) -> tuple:
     return treedef, tuple((x.shape, str(x.dtype)) for x in leaves)
 
 
-def _build(engine) -> Programs:
-    c, spec = engine.config, engine.spec
-    common = dict(row_tile=c.row_tile, sampler=c.sampler, attention=c.attention, mesh=engine.mesh)
-    spec_static = {} if spec is None else dict(dcfg=spec.draft_cfg, rc=spec.round,
-                                               draft_mesh=spec.mesh)
-    return Programs(
-        model_step=_jit(step.model_step, ("state",), cfg=engine.cfg, **common),
-        spec_step=_jit(spec_step, ("state", "draft_cache"), cfg=engine.cfg, **common,
-                       **spec_static) if spec is not None else None,
-        decode_rounds=_jit(rounds.decode_rounds, ("state", "draft_cache"),
-                           cfg=rounds.functional_config(engine),
-                           max_rounds=c.num_scheduler_steps),
-        write_history=_jit(step.write_history, ("state",)))
-
-
-def _key(engine) -> tuple:
-    """What the programs of ``engine`` are specialised on, and nothing more (so engines that
-    differ only in host settings share them): the static arguments ``_build`` binds and the
-    shapes and dtypes of the arrays they carry (the batch's shapes are keyed by jit itself)."""
-    c, spec = engine.config, engine.spec
-    arrays = (engine.weights, engine.state, spec.draft_weights if spec else None,
-              spec.draft_cache if spec else None)
-    statics = (engine.cfg, c.row_tile, c.sampler, c.attention, c.block_size, c.max_model_len,
-               c.num_scheduler_steps, engine.mesh, engine._split,
-               None if spec is None else (spec.draft_cfg, spec.round, spec.mesh, spec.config))
-    return statics, _shapes(arrays)
-
-
-def programs_for(engine) -> Programs:
-    """The engine's programs: shared with a recent engine of the same key, else built."""
-    key = _key(engine)
-    found = _recent.pop(key, None) or _build(engine)
+def _shared(key: tuple, build: Callable[[], Callable]) -> Callable:
+    """The program of ``key`` (what it is specialised on): a recent engine's, else built."""
+    found = _recent.pop(key, None) or build()
     if PROGRAM_CACHE_SIZE > 0:
         _recent[key] = found
         while len(_recent) > PROGRAM_CACHE_SIZE:
             _recent.popitem(last=False)
     return found
+
+
+def programs_for(engine) -> Programs:
+    """The engine's programs, each shared with recent engines that agree on what that program
+    is specialised on, and nothing more (its static arguments, and the shapes and dtypes of the
+    arrays it carries; the batch's shapes are keyed by jit itself): a plain step is shared by
+    plain and speculating engines of one model and cache, whatever their host settings."""
+    c, spec = engine.config, engine.spec
+    common = dict(cfg=engine.cfg, row_tile=c.row_tile, sampler=c.sampler, attention=c.attention,
+                  mesh=engine.mesh)
+    target = (tuple(common.values()), _shapes((engine.weights, engine.state)))
+    progs = dict(
+        model_step=_shared(("model_step",) + target,
+                           lambda: _jit(step.model_step, ("state",), **common)),
+        write_history=_shared(("write_history", _shapes(engine.state)),
+                              lambda: _jit(step.write_history, ("state",))),
+        spec_step=None)
+    draft = None if spec is None else (spec.draft_cfg, spec.round, spec.mesh,
+                                       _shapes((spec.draft_weights, spec.draft_cache)))
+    if spec is not None:
+        statics = dict(dcfg=spec.draft_cfg, rc=spec.round, draft_mesh=spec.mesh)
+        progs["spec_step"] = _shared(("spec_step",) + target + draft, lambda: _jit(
+            spec_step, ("state", "draft_cache"), **common, **statics))
+    rounds_cfg = rounds.functional_config(engine)
+    progs["decode_rounds"] = _shared(
+        ("decode_rounds", rounds_cfg, c.num_scheduler_steps) + target + (draft,),
+        lambda: _jit(rounds.decode_rounds, ("state", "draft_cache"), cfg=rounds_cfg,
+                     max_rounds=c.num_scheduler_steps))
+    return Programs(**progs)
 
 
 def clear() -> None:
