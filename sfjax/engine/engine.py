@@ -274,9 +274,9 @@ class Engine:
         self._plan, self._dispatched = [], False
         try:
             new = self._step()
-        except Exception as e:
+        except Exception:
             if self._dispatched or not self._fail_culprits():
-                raise                  # not one request's doing: the device call itself failed
+                raise        # the device call failed, or no single request's rows raise alone
             new = []
         outs = merge_outputs(held + new + list(self._held.values()))
         self._held.clear()
