@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.rows import num_tiles_of, per_tile
+from sfjax.rows import num_tiles_of, opaque_count, per_tile
 
 
 KEY_CHUNK = 64          # the kernels' keys per online-softmax step
@@ -179,7 +179,7 @@ def _tile(q, positions, slots, **kw):
     see, so a head's bits do not depend on how many KV heads the cache holds (tensor parallelism
     shards them). q [T, KVH, G, D]; positions, slots [T]."""
     kvh = q.shape[1]
-    count = jnp.where(positions[0] > -2**30, kvh, 0)                   # kvh, opaque
+    count = opaque_count(kvh, positions)
     one = lambda qh, h: _tile_head(qh[0], h[0], positions, slots, **kw)[None]
     out = per_tile(one, 1, count, q.transpose(1, 0, 2, 3), jnp.arange(kvh, dtype=jnp.int32))
     return out.transpose(1, 0, 2, 3)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sfjax import model, sharding
+from sfjax import model, rows, sharding
 from sfjax import weights as W
 from sfjax.cache import KVCache, validate_block_size
 from sfjax.config import ModelConfig
@@ -236,7 +236,7 @@ def _tiles(n: int, tile: int) -> int:
 
 def place_weights(weights: W.Weights, cfg: Config, draft: bool = False) -> W.Weights:
     """``weights`` (the draft's if ``draft``) checked against the config and laid out as a round
-    uses them (``model.place_weights``: matrices in column blocks, layers split on CPU).
+    uses them (``sharding.place_weights``: matrices in column blocks, layers split on CPU).
 
     ``prefill``, ``decode`` and ``generate`` do this once per call, before their loops. A loop of
     your own that calls ``decode`` a round at a time should place the weights once before it:
@@ -246,14 +246,14 @@ def place_weights(weights: W.Weights, cfg: Config, draft: bool = False) -> W.Wei
     """
     mcfg = cfg.draft if draft else cfg.model
     try:
-        plain = model.plain_shapes(weights)
+        plain = rows.plain_shapes(weights)
         if mcfg.tie_word_embeddings and plain.lm_head is not None:   # placed: the head is embed.T
             plain = dataclasses.replace(plain, lm_head=None)
         W.check(plain, mcfg)
     except ValueError as e:
         raise ValueError(f"draft_{e}" if draft else str(e)) from None
     split = cfg.layer_loop == "unrolled" or (cfg.layer_loop == "auto" and jax.default_backend() == "cpu")
-    return model.place_weights(weights, mcfg, split=split)
+    return sharding.place_weights(weights, mcfg, split=split)
 
 
 def _weights(weights, draft_weights, cfg: Config):

@@ -2,7 +2,7 @@
 
 The draw at output position t of a request uses ``fold_in(fold_in(request_key, t), role)``: it
 depends on (request key, position, logits) only, never on the batch or on earlier draws. Every
-row is processed inside the same fixed row tiles as the model (``pallas_kernels.rows``), so its
+row is processed inside the same fixed row tiles as the model (``sfjax.rows``), so its
 token and logprobs are the same bits in any batch.
 """
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import sampling as kernels
-from pallas_kernels.rows import num_tiles_of, per_tile
+from sfjax.rows import num_tiles_of, per_tile
 from sfjax.sampling_params import MAX_LOGPROBS
 
 ROLE_TARGET = 0    # the token drawn from the target model at a position (and by coupled drafters)

@@ -19,7 +19,7 @@ followed by an all-reduce (Megatron's row-parallel o_proj and down_proj) changes
 order, and so the bits. Splitting only output columns is not enough either: XLA:CPU lowers an
 [8, K] x [K, N] dot differently by N (measured: splitting N over 2..8 devices changed the last
 bits of most shapes). So every matmul is computed in ``COL_BLOCKS`` fixed column blocks, as one
-batched dot of [row_tile, K] x [K, N / COL_BLOCKS] products (``model.matmul``), and tensor
+batched dot of [row_tile, K] x [K, N / COL_BLOCKS] products (``rows.matmul``), and tensor
 parallelism hands each device whole blocks: a device computes the same per-block products, with
 the same shapes, as one device computing all blocks. No contraction is ever split across devices:
 o_proj and down_proj are column-parallel too, on their output (``embed_out``) axis, after their
@@ -32,18 +32,20 @@ head_dim), the o_proj output (d), the MLP activation (ffn) and the down_proj out
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jax import lax
+
+from sfjax import rows
 from sfjax.config import ModelConfig
-from sfjax.weights import describe
+from sfjax.rows import COL_BLOCKS
+from sfjax.weights import describe, split_layers
 
 DATA, MODEL = "data", "model"
-COL_BLOCKS = 8          # column blocks of every matmul; a tensor-parallel size must divide it
 
 # logical axis -> mesh axis (None: replicated). Applied to the column-block axis of matrices,
 # the vocabulary rows of the embedding, the KV heads of the cache and the rows of a step.
@@ -151,7 +153,7 @@ def vocab_sharded(cfg: ModelConfig, mesh: Mesh | None) -> bool:
 
 def _untied(cfg: ModelConfig) -> ModelConfig:
     """The config with its own LM head: placed weights carry a tied head as ``embed.T``
-    (``model.block_weights``), sharded as an untied one."""
+    (``rows.block_weights``), sharded as an untied one."""
     return dataclasses.replace(cfg, tie_word_embeddings=False) if cfg.tie_word_embeddings else cfg
 
 
@@ -250,5 +252,80 @@ def slot_rows(slots, live, num_slots: int, mesh: Mesh | None, rows_per_slot: int
     return first.astype(jnp.int32), dp * seg
 
 
-def blocks_of(n: int) -> int:
-    return math.gcd(n, COL_BLOCKS)
+def place_weights(weights, cfg: ModelConfig, mesh: Mesh | None = None, split: bool = False):
+    """The weights as steps use them: blocked (``rows.block_weights``), split by layer if
+    ``split`` (``model.forward``'s unrolled layer loop), and sharded over ``mesh`` by the rules
+    table (each process placing only its own devices' shards)."""
+    weights = rows.block_weights(weights)
+    if split:
+        weights = split_layers(weights)
+    if mesh is None:
+        return weights
+    return put(weights, weight_specs(weights, cfg, mesh), mesh)
+
+
+def pad_rows(mesh: Mesh | None, row_tile: int, *xs):
+    """A call's (tokens, positions, slots) padded (as padding rows, -1) to whole tiles per data
+    shard. Over dp > 1 data shards they must come laid out by shard already: dp equal segments
+    of whole tiles."""
+    n, dp = xs[0].shape[0], dp_of(mesh)
+    if dp > 1 and n % (dp * row_tile):
+        raise ValueError(f"{n} rows can't be laid out by data shard: over {dp} shards a step "
+                         f"needs a multiple of {dp} x row_tile ({row_tile}) rows")
+    m = pad_to(n, mesh, row_tile)
+    return [jnp.pad(x, (0, m - n), constant_values=fill) for x, fill in zip(xs, (0, -1, -1))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one shard's part of a model call is split over the mesh (all 1 / False off a mesh);
+    used inside ``shard_map``."""
+    tp: int = 1
+    dp: int = 1
+    kv_replicated: bool = False
+    vocab_sharded: bool = False
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, mesh: Mesh | None) -> "Split":
+        if mesh is None:
+            return cls()
+        return cls(tp_of(mesh), dp_of(mesh), kv_replicated(cfg, mesh), vocab_sharded(cfg, mesh))
+
+    def columns(self, x, axis):
+        """All model shards' columns of ``x`` (an all-gather; nothing on one device)."""
+        return x if self.tp == 1 else lax.all_gather(x, MODEL, axis=axis, tiled=True)
+
+    def own_slots(self, slots, num_slots: int):
+        """``slots`` with rows of other data shards' slots made padding (-1). Rows come laid out
+        by shard, so this changes nothing; a misplaced row can then not write another request's
+        pages (its page ids are another shard's)."""
+        if self.dp == 1:
+            return slots
+        mine = slots // (num_slots // self.dp) == lax.axis_index(DATA)
+        return jnp.where(mine, slots, -1)
+
+    def first_row(self, n: int):
+        """The global index of this data shard's first row of an [n]-row shard of a call."""
+        return lax.axis_index(DATA) * n if self.dp > 1 else 0
+
+    def embed(self, table, tokens):
+        """Embedding rows; with the vocabulary sharded, each shard looks up its own ids and the
+        owner's row is selected from the gathered lookups (a selection: the table's bits)."""
+        if not self.vocab_sharded:
+            return table[tokens]
+        v = table.shape[0]
+        lo = lax.axis_index(MODEL) * v
+        local = table[jnp.clip(tokens - lo, 0, v - 1)]
+        every = lax.all_gather(local, MODEL)                              # [tp, N, d]
+        return every[tokens // v, jnp.arange(tokens.shape[0])]
+
+    def heads(self, run, q, num_heads: int):
+        """``run(q)`` on this shard's query heads. With the KV cache replicated (kv_heads < tp)
+        they are placed among zeros for all heads, so attention runs with one device's shapes."""
+        if not self.kv_replicated:
+            return run(q)
+        h = q.shape[1]
+        lo = lax.axis_index(MODEL) * h
+        full = lax.dynamic_update_slice_in_dim(
+            jnp.zeros((q.shape[0], num_heads, q.shape[2]), q.dtype), q, lo, 1)
+        return lax.dynamic_slice_in_dim(run(full), lo, h, 1)

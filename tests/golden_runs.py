@@ -12,8 +12,10 @@ made of repeated segments so prompt lookup finds drafts. Every sampled request c
 The dp 2 x tp 2 run needs fake CPU devices, so it runs in one subprocess
 (``python tests/golden_runs.py --multidevice OUT``, XLA_FLAGS set by ``start_multidevice``).
 
-Not recorded (a known defect, recorded after its fix): a draft_model proposer with presence /
-frequency / repetition penalties (the draft's penalty history is wrong inside a round).
+A draft_model proposer with presence / frequency / repetition penalties is not among these runs
+(recorded before the fix of the draft's penalty history inside a round); ``tests/test_rounds.py``
+checks it: every draft of a model drafting for itself accepted, one step or eight rounds a call,
+after slot reuse.
 """
 
 from __future__ import annotations

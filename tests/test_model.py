@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sfjax import model, toy, weights as W
+from sfjax import model, rows as R, toy, weights as W
 from sfjax.cache import KVCache
 
 CFG = toy.tiny_config()
@@ -81,10 +81,10 @@ def test_stale_kv_past_a_rows_position_is_invisible(setup):
 
 def test_certified_small_tiles_keep_every_rows_bits(setup):
     """A step whose rows fit a tile of 2 or 4 runs in it where that is certified
-    (``model.certify_row_tiles``): one sequence decoded alone (a tile of 2), then by three slots
+    (``rows.certify_row_tiles``): one sequence decoded alone (a tile of 2), then by three slots
     at once (a tile of 4), gives the bits of its prefill in tiles of 8."""
     w, tables = setup
-    tiles = model.certify_row_tiles(w, CFG, 8, (1, 2, 4))
+    tiles = R.certify_row_tiles(w, CFG, 8, (1, 2, 4))
     assert set(tiles) <= {1, 2, 4}
     assert tiles, "no tile below 8 keeps the bits on this backend: decode at batch 1 runs in 8"
     small = dataclasses.replace(CFG, small_row_tiles=tiles)
@@ -104,10 +104,9 @@ def test_certified_small_tiles_keep_every_rows_bits(setup):
 
 
 def test_per_tile_sized_picks_the_smallest_tile_that_holds_the_rows():
-    from pallas_kernels.rows import per_tile_sized
     for n, cases in [(8, [(1, 2), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)]),
                      (16, [(1, 8), (3, 8), (16, 8)])]:          # steps of more tiles: row_tile
-        f = jax.jit(lambda valid: per_tile_sized(lambda t: t * t.shape[0], 8, (2, 4), valid,
+        f = jax.jit(lambda valid: R.per_tile_sized(lambda t: t * t.shape[0], 8, (2, 4), valid,
                                                  jnp.ones((n, 3))))
         for last, tile in cases:
             out = np.asarray(f(jnp.arange(n) < last))
@@ -122,5 +121,5 @@ def test_the_certificate_refuses_a_tile_with_other_bits(setup, monkeypatch):
     w, _ = setup
     norm = model.rms_norm
     monkeypatch.setattr(model, "rms_norm", lambda x, g, eps: norm(x, g, eps) + x.shape[0] * 1e-3)
-    monkeypatch.setattr(model, "_CERTIFIED", {})
-    assert model.certify_row_tiles(w, CFG, 8, (2, 4)) == ()
+    monkeypatch.setattr(R, "_CERTIFIED", {})
+    assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == ()

@@ -116,3 +116,54 @@ def test_rounds_shrink_to_the_free_blocks(tiny_folder):
 def test_num_scheduler_steps_out_of_range(bad):
     with pytest.raises(ValueError, match=rf"num_scheduler_steps = {bad} is out of range: must be an int in \[1, 1024\]"):
         EngineConfig(num_scheduler_steps=bad)
+
+
+# penalties strong enough that a draft drawn over the wrong history is another token
+PENALISED = [SamplingParams(temperature=0.8, seed=40 + i, max_tokens=24, ignore_eos=True,
+                            repetition_penalty=2.0, presence_penalty=1.5, frequency_penalty=1.0)
+             for i in range(3)] + [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                  repetition_penalty=1.8, presence_penalty=1.0)]
+
+
+def _tokens_and_counts(outs):
+    return ([o.outputs[0].token_ids for o in outs],
+            [(o.metrics.spec_decode["num_draft_tokens"], o.metrics.spec_decode["num_accepted_tokens"])
+             for o in outs])
+
+
+@pytest.mark.parametrize("steps", [1, 8])
+def test_draft_penalties_see_the_rounds_own_drafts(tiny_folder, steps):
+    """A draft model that is the target, drawing with the target's keys (exact acceptance): each
+    draft is the token plain decoding draws at its position only if its penalties count the
+    round's earlier drafts, so every draft must be accepted, one step or several rounds a call."""
+    plain = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=1).generate(
+        PROMPTS[:4], PENALISED, use_tqdm=False)
+    llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps,
+              speculative_config={"model": tiny_folder, "num_speculative_tokens": 3})
+    tokens, counts = _tokens_and_counts(llm.generate(PROMPTS[:4], PENALISED, use_tqdm=False))
+    assert tokens == [o.outputs[0].token_ids for o in plain]
+    assert all(d > 0 and a == d for d, a in counts), counts
+    check_idle(llm.engine)
+
+
+def test_penalised_rejection_sampling_repeats_across_rounds_and_slot_reuse(model_folder):
+    """Rejection sampling on a peaked model drafting for itself, penalised seeded requests: the
+    draft's distribution is the target's at every position (so every draft is accepted), and
+    the tokens and counters are the same with one step or eight rounds a call, for requests in
+    a fresh engine or after others in the slots they left (old tokens past their lengths)."""
+    peaked = model_folder(toy.tiny_config(), seed=0, std=0.3)
+    spec = {"model": peaked, "num_speculative_tokens": 6, "acceptance_method": "rejection_sampler"}
+    params = [SamplingParams(temperature=t, seed=50 + i, max_tokens=30, ignore_eos=True,
+                             repetition_penalty=3.0, presence_penalty=2.0, frequency_penalty=2.0)
+              for i, t in enumerate((0.3, 0.6, 1.0, 1.5))]
+    late = [{"prompt_token_ids": [5, 6, 5, 6]}] * 4
+    runs = []
+    for steps in (1, 8):
+        llm = LLM(peaked, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec)
+        runs.append(_tokens_and_counts(llm.generate(late, params, use_tqdm=False)))
+        llm.generate(PROMPTS[4:8], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 4,
+                     use_tqdm=False)                              # long outputs in every slot
+        runs.append(_tokens_and_counts(llm.generate(late, params, use_tqdm=False)))
+        check_idle(llm.engine)
+    assert all(r == runs[0] for r in runs), runs
+    assert all(d > 0 and a == d for d, a in runs[0][1]), runs[0][1]

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention import IMPLS as ATTENTION_IMPLS
-from sfjax import checks as C, model, sampling, sharding
+from sfjax import checks as C, rows as R, sampling, sharding
 from sfjax.cache import KVCache, BlockAllocator, ShardedAllocator, validate_block_size
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
@@ -48,7 +48,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True     # share full KV blocks across requests by content hash
     num_scheduler_steps: int = 8           # decode rounds per host call when every request decodes
     # CPU, one device: a step whose valid rows fit a tile of 2 or 4 runs in that tile, where it is
-    # certified to keep row_tile's bits (model.certify_row_tiles)
+    # certified to keep row_tile's bits (rows.certify_row_tiles)
     small_row_tiles: bool = True
     seed: int = 0
 
@@ -103,8 +103,8 @@ class Engine:
         if loop not in ("auto", "scan", "unrolled"):
             raise ValueError(f"layer_loop must be auto, scan or unrolled; got {loop!r}")
         self._split = loop == "unrolled" or (loop == "auto" and jax.default_backend() == "cpu")
-        self.weights = model.place_weights(weights, cfg, mesh, self._split)
-        tiles = lambda c, w: model.with_certified_tiles(w, c, config.row_tile, mesh=mesh,
+        self.weights = sharding.place_weights(weights, cfg, mesh, self._split)
+        tiles = lambda c, w: R.with_certified_tiles(w, c, config.row_tile, mesh=mesh,
                                                         attention=config.attention,
                                                         enabled=config.small_row_tiles)
         self.cfg = cfg = tiles(cfg, self.weights)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sfjax import model, sharding
+from sfjax import sharding
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request, Scheduled
@@ -63,7 +63,7 @@ class Speculator:
                  num_blocks: int, block_size: int, draft: tuple[ModelConfig, Weights] | None = None,
                  registry: Registry | None = None, mesh=None, split: bool = False, tiles=None):
         """``tiles``: (cfg, placed weights) -> cfg with its certified small row tiles (the
-        engine's ``model.with_certified_tiles``), for the draft."""
+        engine's ``rows.with_certified_tiles``), for the draft."""
         self.config = config
         self.k_max = config.num_speculative_tokens
         self.draft_cfg, self.draft_weights = draft if draft else (None, None)
@@ -93,7 +93,7 @@ class Speculator:
                                             or sharding.tp_of(mesh))
             sharding.validate(self.draft_cfg, self.mesh, "draft")
         if self.draft_cfg is not None:
-            self.draft_weights = model.place_weights(self.draft_weights, self.draft_cfg, self.mesh,
+            self.draft_weights = sharding.place_weights(self.draft_weights, self.draft_cfg, self.mesh,
                                                      split)
             if tiles is not None and self.mesh is None:
                 self.draft_cfg = tiles(self.draft_cfg, self.draft_weights)

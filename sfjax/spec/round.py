@@ -81,27 +81,30 @@ def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: Rou
         spread = lambda x, fill: jnp.full((n,), fill, x.dtype).at[first].set(x, mode="drop")
         gather = lambda h: h[jnp.minimum(first, n - 1)]
 
-    def one(h_rows, j):
+    def one(h_rows, j, history):
+        """Draft j of every slot, and ``history`` with it at position L + j: the next draft's
+        penalties see it, as plain decoding's draw at that position sees the token before it."""
         lg = replicated(model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live), mesh=mesh), mesh)
         b = _rows(batch.sampling, spec.verify_start + grow(jnp.arange(s) * (rc.k_max + 1) + j, 0))
         n = jnp.sum(live)                                # live slots come first
         d = sampling.draw(lg, b, history, n, row_tile, False, sampler, role).tokens
         logq = (sampling.log_probs(lg, b, history, n, row_tile)
                 if rc.acceptance == "rejection_sampler" else jnp.zeros((sd, 1), jnp.float32))
-        return d, logq
+        history = record_tokens(history, jnp.where(live & (j < k), slots, -1), length + j, d)
+        return d, logq, history
 
-    d0, q0 = one(h[grow(spec.draft_last, 0)], 0)
+    d0, q0, history = one(h[grow(spec.draft_last, 0)], 0, history)
 
     def step(carry, j):
-        d_prev, dcache = carry
+        d_prev, dcache, history = carry
         pos = jnp.where(live & (j < k), length - 1 + j, -1)
         h, dcache = model.forward(dw, dcache, spread(d_prev, 0), spread(pos, -1),
                                   spread(jnp.where(pos >= 0, slots, -1), -1), batch.block_tables,
                                   dcfg, row_tile, attention=attention, mesh=mesh)
-        d, logq = one(gather(h), j)
-        return (d, dcache), (d, logq)
+        d, logq, history = one(gather(h), j, history)
+        return (d, dcache, history), (d, logq)
 
-    (_, dcache), (ds, qs) = lax.scan(step, (d0, dcache), jnp.arange(1, rc.k_max))
+    (_, dcache, _), (ds, qs) = lax.scan(step, (d0, dcache, history), jnp.arange(1, rc.k_max))
     drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]                    # [S, K]
     logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]      # [S, K, V or 1]
     return drafts, logq, keep_cache_sharding(dcache, dcfg, mesh)

@@ -81,7 +81,7 @@ def forward(folder):
     run = jax.jit(run, static_argnames=("mesh", "attention"))
 
     def one(mesh=None, attention="reference"):
-        h, k, v, lg = run(model.place_weights(weights, cfg, mesh, split=True),
+        h, k, v, lg = run(sharding.place_weights(weights, cfg, mesh, split=True),
                           KVCache.zeros(cfg, 6, 8, mesh=mesh), tables[sharding.dp_of(mesh)],
                           mesh=mesh, attention=attention)
         pages = [1, 2, 4, 5]

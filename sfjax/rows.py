@@ -1,0 +1,262 @@
+"""Row invariance in one place: a row's bits never depend on the call it is computed in.
+
+XLA compiles an op differently by its shape (a GEMM picks its code path by M) and by what it is
+fused with (the same elementwise math gave other last bits in two fusions on XLA:CPU); a plain
+``x @ W`` is not batch-invariant (measured on XLA:CPU: M = 1 and M = 8 differ by 1.7e-6). A row
+keeps its bits only if it is always computed by the same compiled code on operands of the same
+shape. Everything that makes that so lives here, behind a small interface the model uses:
+
+- ``Rows.apply(fn, *xs)``: ``fn`` over a call's rows in fixed tiles of ``tile`` rows (``per_tile``),
+  or one certified smaller tile when the call's valid rows fit it (``per_tile_sized``);
+- ``matmul(a, w)``: ``a @ w`` in ``COL_BLOCKS`` fixed column blocks of a ``block``-ed ``w``, so a
+  device holding some blocks computes each with the shapes one device holding all would
+  (tensor parallelism keeps the bits, ``sfjax.sharding``);
+- ``opaque_zero`` / ``rounded``: a float product rounded before it is added (no FMA contraction
+  that follows the surrounding fusion); ``opaque_count``: a loop trip count the compiler can't see;
+- ``certify_row_tiles``: which smaller tiles this backend computes with ``tile``'s bits, probed
+  on the model itself.
+
+The tile loop, per ``per_tile``:
+- the body sees one tile of ``row_tile`` rows, whatever N is;
+- the trip count is a runtime value, so XLA can neither unroll the loop nor drop it when N is one
+  tile (it would then fuse the body with its neighbours);
+- the tile buffers carry one spare tile, so a one-tile buffer's dynamic slice is never proven
+  loop-invariant and hoisted out of the loop.
+The runtime count also skips tiles that are all padding.
+
+A smaller tile (a decode row of batch 1 in a tile of 2 costs a quarter of the GEMM work of a tile
+of 8) keeps a row's bits only where its compiled body computes the same bits as ``row_tile``'s,
+which is a property of the backend's GEMM library, not of XLA's contract: ``certify_row_tiles``
+checks it on the model before it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from sfjax.config import ModelConfig
+from sfjax.weights import LAYER_FIELDS, Weights
+
+COL_BLOCKS = 8          # column blocks of every matmul; a tensor-parallel size must divide it
+SMALL_ROW_TILES = (2, 4)
+
+# -- the tile loop ------------------------------------------------------------------------------
+
+
+def per_tile(fn, row_tile: int, num_tiles, *xs):
+    """``fn`` over the first ``num_tiles`` (traced int32) tiles of ``row_tile`` rows of each x.
+
+    xs: pytrees of arrays [N, ...] with N a multiple of ``row_tile``; ``fn`` gets the same trees
+    with [row_tile, ...] leaves and may return a pytree. Rows of skipped tiles come out zero.
+    """
+    n = jax.tree.leaves(xs)[0].shape[0]
+    if n % row_tile:
+        raise ValueError(f"rows ({n}) must be a multiple of row_tile ({row_tile})")
+    tiles = jax.tree.map(lambda x: jnp.concatenate([
+        x.reshape(n // row_tile, row_tile, *x.shape[1:]),
+        jnp.zeros((1, row_tile, *x.shape[1:]), x.dtype)]), xs)
+    shapes = jax.eval_shape(fn, *jax.tree.map(lambda t: t[0], tiles))
+    out = jax.tree.map(lambda s: jnp.zeros((n // row_tile + 1, *s.shape), s.dtype), shapes)
+
+    def body(i, out):
+        y = fn(*jax.tree.map(lambda t: t[i], tiles))
+        return jax.tree.map(lambda o, v: o.at[i].set(v), out, y)
+
+    out = lax.fori_loop(0, jnp.minimum(num_tiles, n // row_tile), body, out)
+    return jax.tree.map(lambda o: o[:-1].reshape(n, *o.shape[2:]), out)
+
+
+def num_tiles_of(valid_rows, row_tile: int):
+    """Tiles up to the last valid row: ceil((last valid index + 1) / row_tile), traced int32."""
+    last = jnp.max(jnp.where(valid_rows, jnp.arange(1, valid_rows.shape[0] + 1), 0))
+    return (last + row_tile - 1) // row_tile
+
+
+def per_tile_sized(fn, row_tile: int, small_tiles: tuple[int, ...], valid_rows, *xs):
+    """``per_tile``, but for a step of one tile (N = ``row_tile``: decode at small batch) whose
+    valid rows all fall in the first t rows for a t in ``small_tiles`` (the smallest such), one
+    tile of t rows instead, chosen at run time. Rows of skipped tiles come out zero; with no valid
+    row nothing runs. Larger steps keep ``per_tile`` alone: each branch is compiled, and a step of
+    more tiles rarely has only a few valid rows.
+
+    small_tiles: tile sizes below ``row_tile`` that divide it, certified to give ``fn``'s bits of
+    a ``row_tile`` tile row for row (``certify_row_tiles``); () is ``per_tile``.
+    """
+    n = jax.tree.leaves(xs)[0].shape[0]
+    small = sorted(t for t in set(small_tiles) if t < row_tile and row_tile % t == 0)
+    last = jnp.max(jnp.where(valid_rows, jnp.arange(1, valid_rows.shape[0] + 1), 0))
+    whole = lambda xs: per_tile(fn, row_tile, (last + row_tile - 1) // row_tile, *xs)
+    if not small or n != row_tile:
+        return whole(xs)
+    branches = [lambda xs, t=t: per_tile(fn, t, jnp.minimum(last, 1), *xs) for t in small]
+    index = sum((last > t).astype(jnp.int32) for t in small)
+    return lax.switch(index, branches + [whole], xs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """A call's rows: ``valid`` (bool [N], traced; N a multiple of ``tile``), computed in tiles of
+    ``tile`` rows or in one of the certified ``small`` tiles when the valid rows fit it."""
+    valid: Any
+    tile: int
+    small: tuple[int, ...] = ()
+
+    def apply(self, fn, *xs):
+        """``fn`` (row-local: row r of its output depends on row r of its inputs only) over the
+        rows of ``xs`` (pytrees of [N, ...] arrays); rows of skipped tiles come out zero."""
+        return per_tile_sized(fn, self.tile, self.small, self.valid, *xs)
+
+
+# -- the blocked matmul -------------------------------------------------------------------------
+
+
+def blocks_of(n: int) -> int:
+    """Column blocks of a matrix with ``n`` columns."""
+    return math.gcd(n, COL_BLOCKS)
+
+
+def block(w):
+    """[.., K, N] -> [.., U, K, N / U]: the fixed column blocks of ``matmul``."""
+    *lead, k, n = w.shape
+    u = blocks_of(n)
+    return jnp.moveaxis(w.reshape(*lead, k, u, n // u), -2, -3)
+
+
+def unblock(w):
+    """``block``'s inverse: [.., U, K, W] -> [.., K, U * W]."""
+    *lead, u, k, width = w.shape
+    return jnp.moveaxis(w, -3, -2).reshape(*lead, k, u * width)
+
+
+def matmul(a, w, out_dtype=None):
+    """a [T, K] @ w in fixed column blocks: one batched dot of [T, K] x [K, W] products, w blocked
+    [U, K, W] (``block``). Called inside ``Rows.apply``, so T is a tile."""
+    u, _, width = w.shape
+    o = lax.dot_general(jnp.broadcast_to(a[None], (u, *a.shape)), w, (((2,), (1,)), ((0,), (0,))),
+                        preferred_element_type=out_dtype)
+    return jnp.moveaxis(o, 0, 1).reshape(a.shape[0], u * width)
+
+
+def _relayout(weights: Weights, fn, blocked: bool) -> Weights:
+    """``fn`` applied to every matrix that is in the blocked layout (``blocked``) or the plain one;
+    stacked or split by layer."""
+    def one(name, x):
+        if x is None or name == "embed" or name.endswith("norm"):
+            return x
+        if isinstance(x, (tuple, list)):
+            return tuple(fn(a) if (a.ndim == 3) == blocked else a for a in x)
+        return fn(x) if (x.ndim > (3 if name in LAYER_FIELDS else 2)) == blocked else x
+    return dataclasses.replace(weights, **{f.name: one(f.name, getattr(weights, f.name))
+                                           for f in dataclasses.fields(weights)})
+
+
+def block_weights(weights: Weights) -> Weights:
+    """The weights with every matrix in ``matmul``'s blocked layout; blocked ones are kept. The
+    engine and ``sfjax.functional`` block once (``sharding.place_weights``); model functions given
+    plain weights block them on every call, a relayout of every matrix each time."""
+    if weights.lm_head is None:      # tied: the head once as embed.T, not a transpose per step
+        weights = dataclasses.replace(weights, lm_head=jnp.array(weights.embed.T))
+    return _relayout(weights, block, blocked=False)
+
+
+def plain_shapes(weights: Weights) -> Weights:
+    """Shapes and dtypes (``jax.ShapeDtypeStruct``) of ``weights`` in the plain layout, blocked or
+    not; nothing is computed."""
+    return jax.eval_shape(lambda w: _relayout(w, unblock, blocked=True), weights)
+
+
+# -- rounding the compiler cannot see through ---------------------------------------------------
+
+
+def opaque_zero(positions):
+    """An int32 0 computed from the call's positions (a real position is never below -2**30), so
+    the compiler cannot fold it."""
+    return (positions[0] < -2**30).astype(jnp.int32)
+
+
+def opaque_count(n: int, positions):
+    """``n`` as a traced count the compiler cannot see (a loop over it is neither unrolled nor
+    specialised to how many there are, e.g. KV heads under tensor parallelism)."""
+    return jnp.where(positions[0] > -2**30, n, 0)
+
+
+def rounded(x, zero):
+    """``x`` unchanged, through an integer op the compiler cannot see through (``zero`` from
+    ``opaque_zero``): a float32 product passed here is rounded before it is added to anything."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32) | zero, jnp.float32)
+
+
+# -- certificates of smaller tiles --------------------------------------------------------------
+
+_CERTIFIED: dict = {}
+
+
+def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
+                      candidates: tuple[int, ...] = SMALL_ROW_TILES, *,
+                      attention: str = "auto") -> tuple[int, ...]:
+    """The tiles of ``candidates`` (below ``row_tile``, dividing it) that give, row for row, the
+    bits of ``row_tile`` tiles: forward (hidden states and the K/V written) and logits of a probe
+    step run both ways on this backend, compared bitwise. One device, no mesh.
+
+    A GEMM library picks its kernels by M, so this is the library's property, not XLA's
+    contract: XLA:CPU's (YNNPACK) computes M = 2, 4 and 8 with the same per-row arithmetic and
+    M = 1 and 16 with other bits (measured on the demo model). The answer depends on shapes only,
+    so it is kept per (model shape, row_tile, backend) for the process.
+    """
+    cands = tuple(sorted(t for t in set(candidates) if t < row_tile and row_tile % t == 0))
+    base = dataclasses.replace(cfg, small_row_tiles=())
+    key = (base, row_tile, cands, attention, jax.default_backend(),
+           isinstance(weights.wq, (tuple, list)),
+           tuple(str(x.dtype) for x in jax.tree.leaves(weights)))
+    if key not in _CERTIFIED:
+        _CERTIFIED[key] = _certify(weights, base, row_tile, cands, attention) if cands else ()
+    return _CERTIFIED[key]
+
+
+def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention: str):
+    """One program with the candidate tiles, run twice per candidate t: slot 0's rows 0..t-1
+    alone (a tile of t), then with a row of slot 1 at the step's last row (a tile of row_tile).
+    Slot 0's logits, hidden states and pages must be the same bits."""
+    from sfjax import model                 # the model is built on this module
+    from sfjax.cache import KVCache
+
+    n, block_size = row_tile, 16
+    per_slot = -(-n // block_size)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, n), jnp.int32)
+    tables = jnp.arange(1, 1 + 2 * per_slot, dtype=jnp.int32).reshape(2, per_slot)
+    cache = KVCache.zeros(cfg, 1 + 2 * per_slot, block_size)
+    small = dataclasses.replace(cfg, small_row_tiles=cands)
+
+    @jax.jit
+    def probe(m, other):
+        i = jnp.arange(n)
+        positions = jnp.where(i < m, i, jnp.where((i == n - 1) & other, 0, -1))
+        slots = jnp.where(i < m, 0, jnp.where(positions >= 0, 1, -1))
+        hidden, kv = model.forward(weights, cache, tokens, positions, slots, tables, small,
+                                   row_tile, attention=attention)
+        out = model.logits(weights, hidden, small, row_tile, num_rows=jnp.where(other, n, m))
+        return out, hidden, kv.k[:, 1:1 + per_slot], kv.v[:, 1:1 + per_slot]
+
+    def same(t):
+        (la, ha, ka, va), (lb, hb, kb, vb) = probe(t, False), probe(t, True)
+        return all(bool((x == y).all()) for x, y in
+                   [(la[:t], lb[:t]), (ha[:t], hb[:t]), (ka, kb), (va, vb)])
+    return tuple(t for t in cands if same(t))
+
+
+def with_certified_tiles(weights: Weights, cfg: ModelConfig, row_tile: int, *, attention: str,
+                         mesh=None, enabled: bool = True) -> ModelConfig:
+    """``cfg`` with the small row tiles this backend certifies (``certify_row_tiles``): on one CPU
+    device only (a mesh's sharded bodies are not probed; on accelerators a step's few rows are
+    not what a decode step costs)."""
+    if not enabled or mesh is not None or jax.default_backend() != "cpu":
+        return dataclasses.replace(cfg, small_row_tiles=())
+    return dataclasses.replace(cfg, small_row_tiles=certify_row_tiles(
+        weights, cfg, row_tile, attention=attention))
