@@ -4,7 +4,7 @@ Every query token carries its sequence's slot (which block-table row to read) an
 it attends causally to keys ``0..position`` of that slot. Prefill chunks, decode tokens and the
 k+1 tokens of a speculative verify are all the same thing here: rows with positions.
 
-Row invariance (the exactness contract, DESIGN §1.2): a row's output bits must not depend on the
+Row invariance (the exactness contract, docs/design.md §1.2): a row's output bits must not depend on the
 rows around it or on how many there are. So keys are processed in fixed chunks (``KEY_CHUNK`` for
 the kernels, ``REFERENCE_CHUNK`` for the reference) in ascending order with an online softmax, and
 rows in fixed shapes:

@@ -62,10 +62,6 @@ class ModelConfig:
     def jnp_dtype(self):
         return _DTYPES[self.dtype]
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], dtype: str = "auto") -> "ModelConfig":
         """Converts a LlamaForCausalLM ``config.json`` dict; raises ValueError on anything else."""

@@ -31,7 +31,7 @@ from sfjax.config import ModelConfig
 from sfjax.checks import InvalidType
 from sfjax.sampling import SamplingBatch, request_key_data
 from sfjax.sampling_params import SamplingParams
-from sfjax.spec.config import SpeculativeConfig
+from sfjax.spec.config import SpeculativeConfig, drafts_for
 from sfjax.spec.round import RoundConfig, SpecBatch, spec_step
 from sfjax.spec.table import NgramTable
 from sfjax.step import DeviceState, StepBatch, model_step
@@ -76,15 +76,8 @@ class Config:
             spec = SpeculativeConfig.from_dict(spec)
             if isinstance(spec.model, str):
                 spec = dataclasses.replace(spec, model=ModelConfig.from_folder(spec.model))
-            if spec.method == "draft_model":
-                if not isinstance(spec.model, ModelConfig):
-                    raise ValueError("speculative_config.model: the draft's ModelConfig (or folder) is needed")
-                if spec.model.vocab_size != self.model.vocab_size:
-                    raise ValueError(f"speculative_config.model: the draft's vocabulary ({spec.model.vocab_size}) "
-                                     f"differs from the target's ({self.model.vocab_size})")
-            if spec.max_model_len is not None and spec.max_model_len > self.max_model_len:
-                raise ValueError(f"speculative_config.max_model_len ({spec.max_model_len}) must be <= "
-                                 f"max_model_len ({self.max_model_len})")
+            spec.check_draft(self.model, self.max_model_len,
+                             spec.model if isinstance(spec.model, ModelConfig) else None)
             object.__setattr__(self, "speculative_config", spec)
         if not 2 <= self.max_model_len <= self.model.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be in [2, the model's "
@@ -92,27 +85,14 @@ class Config:
         validate_block_size(self.block_size)
         if self.row_tile < 1:
             raise ValueError(f"row_tile must be >= 1, got {self.row_tile}")
-        if self.layer_loop not in ("auto", "scan", "unrolled"):
-            raise ValueError(f"layer_loop must be auto, scan or unrolled; got {self.layer_loop!r}")
+        if self.layer_loop not in model.LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {model.LAYER_LOOPS}; got {self.layer_loop!r}")
 
     @property
     def draft(self) -> ModelConfig | None:
         spec = self.speculative_config
         return spec.model if spec is not None and spec.method == "draft_model" else None
 
-    @property
-    def round_config(self) -> RoundConfig:
-        s = self.speculative_config
-        return RoundConfig(method=s.method, acceptance=s.acceptance_method, k_max=s.num_speculative_tokens,
-                           ngram_min=s.prompt_lookup_min, ngram_max=s.prompt_lookup_max,
-                           threshold=s.posterior_threshold, alpha=s.posterior_alpha)
-
-    @property
-    def draft_limit(self) -> int:
-        """A row drafts only while length + k stays within this (speculative_config.max_model_len,
-        and the draft's max_position_embeddings)."""
-        limit = self.speculative_config.max_model_len or self.max_model_len
-        return min(limit, self.draft.max_position_embeddings) if self.draft else limit
 
 
 @jax.tree_util.register_dataclass
@@ -252,8 +232,7 @@ def place_weights(weights: W.Weights, cfg: Config, draft: bool = False) -> W.Wei
         W.check(plain, mcfg)
     except ValueError as e:
         raise ValueError(f"draft_{e}" if draft else str(e)) from None
-    split = cfg.layer_loop == "unrolled" or (cfg.layer_loop == "auto" and jax.default_backend() == "cpu")
-    return sharding.place_weights(weights, mcfg, split=split)
+    return sharding.place_weights(weights, mcfg, split=model.unrolled(cfg.layer_loop))
 
 
 def _weights(weights, draft_weights, cfg: Config):
@@ -406,10 +385,9 @@ def _round(w, dw, st: State, cfg: Config) -> State:
         return _commit(st, order, live, drawn.tokens[:s, None], live.astype(jnp.int32), zero, zero,
                        dev.history)
     budget = jnp.minimum(sp.max_tokens - out_n, cfg.max_model_len - length)
-    k = jnp.clip(jnp.minimum(spec.num_speculative_tokens, budget - 1), 0)   # Speculator.k_for
-    k = jnp.where(live & (length + k <= cfg.draft_limit), k, 0)
-    if spec.disable_by_batch_size is not None:
-        k = jnp.where(n_live < spec.disable_by_batch_size, k, 0)
+    k = drafts_for(spec.num_speculative_tokens, budget, length,
+                   spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
+    k = jnp.where(live & spec.speculates_at(n_live), k, 0)
     two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile)  # rows L-2, L-1
     prev = st.history[order, jnp.maximum(length - 2, 0)]
     put = lambda fill, a, b: (jnp.full(na, fill, jnp.int32).at[two].set(a, mode="drop")
@@ -422,7 +400,7 @@ def _round(w, dw, st: State, cfg: Config) -> State:
                    draft_slots=put(-1, slot, slot), draft_last=jnp.minimum(two + 1, na - 1),
                    verify_start=jnp.int32(0))
     dev, dcache, _, accepted, out, emitted, drafted = spec_step(
-        w, dw, dev, st.draft_cache, batch, sb, cfg=cfg.model, dcfg=cfg.draft, rc=cfg.round_config,
+        w, dw, dev, st.draft_cache, batch, sb, cfg=cfg.model, dcfg=cfg.draft, rc=RoundConfig.of(spec),
         row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention, mesh=cfg.mesh,
         draft_mesh=cfg.draft_mesh)
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)

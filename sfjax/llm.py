@@ -45,7 +45,7 @@ class LLM:
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto",
                  attention: str = "auto", enable_prefix_caching: bool = True,
                  num_scheduler_steps: int = 8, small_row_tiles: bool = True,
-                 speculative_config: dict | SpeculativeConfig | None = None,
+                 layer_loop: str = "auto", speculative_config: dict | SpeculativeConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
         if model is None:
             from sfjax.default_model import default_model_path
@@ -63,7 +63,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler,
             attention=attention, enable_prefix_caching=enable_prefix_caching,
-            num_scheduler_steps=num_scheduler_steps, small_row_tiles=small_row_tiles)
+            num_scheduler_steps=num_scheduler_steps, small_row_tiles=small_row_tiles,
+            layer_loop=layer_loop)
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if not os.path.isdir(model):
             raise ValueError(f"model: {model!r} is not a folder (an HF model folder is expected)")

@@ -55,6 +55,15 @@ def rope(x, angles, zero=None):
     return (a + b).astype(x.dtype)
 
 
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def unrolled(layer_loop: str) -> bool:
+    """Whether ``layer_loop`` runs the layers unrolled, on weights split by layer (``forward``):
+    "auto" unrolls on CPU and scans on GPU and TPU."""
+    return layer_loop == "unrolled" or (layer_loop == "auto" and jax.default_backend() == "cpu")
+
+
 def cache_slots(block_tables, slots, positions, block_size):
     """(page, offset) each query row writes; padding rows (slot < 0) go to the null block 0."""
     pad = (slots < 0) | (positions < 0)

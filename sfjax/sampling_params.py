@@ -137,11 +137,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
     def validate_for(self, vocab_size: int) -> None:
         """Checks what depends on the model; raises ValueError naming the field. A top_k of at
         least the vocabulary keeps every token: it becomes 0 (off)."""

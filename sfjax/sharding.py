@@ -7,14 +7,14 @@ shards the slots over ``data``, with their KV pages and their rows of each step.
 Slots over ``data`` (vLLM's data parallelism, inside one single-controller step): with dp data
 shards and max_num_seqs S, slot s belongs to shard s // (S / dp). The cache's block axis is split
 over ``data``: each shard holds num_kv_blocks / dp pages, its own page 0 its null block, and the
-host allocates a slot's pages from its shard's allocator (``cache.ShardedAllocator``), so block
+host allocates a slot's pages from its shard's allocator (``engine.allocator.ShardedAllocator``), so block
 tables hold local page ids. A step's rows come laid out by shard: dp equal contiguous segments of
 whole row tiles, segment d holding only rows of shard d's slots (and padding), so each shard
 writes and reads only its own pages and no K/V crosses ``data``. The host lays out the engine's
 steps (``engine.speculation.pack``); steps laid out on the device place their rows with
 ``slot_rows``. The history, block tables and sampling run replicated.
 
-Exactness (DESIGN §1.2: a row's bits must not depend on how it was computed). A split contraction
+Exactness (docs/design.md §1.2: a row's bits must not depend on how it was computed). A split contraction
 followed by an all-reduce (Megatron's row-parallel o_proj and down_proj) changes the summation
 order, and so the bits. Splitting only output columns is not enough either: XLA:CPU lowers an
 [8, K] x [K, N] dot differently by N (measured: splitting N over 2..8 devices changed the last

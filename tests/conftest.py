@@ -70,6 +70,19 @@ def _release_module_level_programs():
     maps and XLA:CPU's compiler segfaults). Engines do not need it: each owns its programs and
     frees them when dropped (sfjax.engine.programs), which
     tests/test_reliability.py::test_sixty_engines_stay_bounded checks in a fresh process with
-    no cache clear at all."""
+    no cache clear at all. Cleared only past ``_MAPS_BEFORE_CLEAR`` maps, so modules that build
+    the same engine shapes reuse each other's programs."""
     yield
-    jax.clear_caches()
+    if os.environ.get("SFJAX_TEST_CLEAR") == "always" or _num_maps() > _MAPS_BEFORE_CLEAR:
+        jax.clear_caches()
+
+
+_MAPS_BEFORE_CLEAR = 30_000
+
+
+def _num_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return _MAPS_BEFORE_CLEAR + 1

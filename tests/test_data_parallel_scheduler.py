@@ -5,7 +5,7 @@ inside the shard that is short, and sizes that don't split refused naming them."
 import numpy as np
 import pytest
 
-from sfjax.cache import BlockAllocator, ShardedAllocator
+from sfjax.engine.allocator import BlockAllocator, ShardedAllocator
 from sfjax.engine.scheduler import Request, Scheduler
 from sfjax.sampling_params import SamplingParams
 

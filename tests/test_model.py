@@ -1,4 +1,4 @@
-"""Row invariance of the whole forward (DESIGN §1.2): a row's logits are the same bits whatever
+"""Row invariance of the whole forward (docs/design.md §1.2): a row's logits are the same bits whatever
 the step's shape, the rows around it, its tile position, or how its tokens were chunked."""
 
 import dataclasses

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sfjax import LLM, SamplingParams
-from sfjax.cache import BlockAllocator, hash_blocks
+from sfjax.engine.allocator import BlockAllocator, hash_blocks
 from engine_checks import check_engine, check_idle
 
 BS = 8

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import settings, strategies as st, target
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sfjax.cache import BlockAllocator, ShardedAllocator
+from sfjax.engine.allocator import BlockAllocator, ShardedAllocator
 from sfjax.engine.scheduler import Request, Scheduler, Status
 from sfjax.sampling_params import SamplingParams
 

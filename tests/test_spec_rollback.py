@@ -99,17 +99,17 @@ def test_eos_inside_a_draft_ends_the_sequence_there(copy_folder, fake):
 def _live_pages(llm):
     """Snapshots, at each request's finish, the K/V of its fed positions [0, num_tokens - 1)."""
     eng, got = llm.engine, {}
-    finish = eng._finish
+    release = eng._release
 
-    def spy(req, *a, **kw):
+    def spy(req):
         n, bs = req.num_tokens - 1, eng.config.block_size
         pages = np.array([req.blocks[p // bs] for p in range(n)])
         offs = np.arange(n) % bs
         cache = eng.state.cache
         got[req.request_id] = (np.asarray(cache.k[:, pages, offs]), np.asarray(cache.v[:, pages, offs]))
-        return finish(req, *a, **kw)
+        return release(req)
 
-    eng._finish = spy
+    eng._release = spy
     return got
 
 

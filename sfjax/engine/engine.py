@@ -1,4 +1,13 @@
-"""The step-level engine: requests in, one jitted device step per call, RequestOutputs out."""
+"""The step-level engine: requests in, one jitted device call per step, RequestOutputs out.
+
+Admission (``prepare``: validation, tokenization, the strategy's certificate) and the loop
+(``step``: schedule, build, run, read back, with one request's failure kept its own) live here;
+the jobs around them have their modules: ``scheduler`` (chunked prefill, preemption, prefix
+caching), ``allocator`` (KV pages), ``batch`` (a plan's rows, packed by data shard, and their
+sampling arrays), ``output`` (tokens into requests, detokenization, stops, RequestOutputs),
+``speculation`` (the draft model, per-row k, counters), ``rounds`` (several rounds per call on
+the device), ``programs`` (the compiled steps this engine owns) and ``compile`` (shape buckets,
+precompile)."""
 
 from __future__ import annotations
 
@@ -14,13 +23,16 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention import IMPLS as ATTENTION_IMPLS
-from sfjax import checks as C, rows as R, sampling, sharding
-from sfjax.cache import KVCache, BlockAllocator, ShardedAllocator, validate_block_size
+from sfjax import checks as C, model, rows as R, sampling, sharding
+from sfjax.cache import KVCache, validate_block_size
 from sfjax.config import ModelConfig
+from sfjax.engine.allocator import BlockAllocator, ShardedAllocator
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
-from sfjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, merge_outputs
+from sfjax.outputs import RequestOutput, merge_outputs
 from sfjax.sampling_params import SamplingParams
-from sfjax.engine import programs, rounds, speculation
+from sfjax.engine import compile, programs, rounds, speculation
+from sfjax.engine.batch import BatchBuilder, draft_rows, layout, pack, spec_batch
+from sfjax.engine.output import OutputProcessor
 from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
@@ -65,22 +77,12 @@ class EngineConfig:
         C.integer(f("row_tile"), self.row_tile, 1)
         C.text(f("sampler"), self.sampler)
         C.one_of(f("attention"), self.attention, ATTENTION_IMPLS)
-        C.one_of(f("layer_loop"), self.layer_loop, ("auto", "scan", "unrolled"))
+        C.one_of(f("layer_loop"), self.layer_loop, model.LAYER_LOOPS)
         C.boolean(f("enable_prefix_caching"), self.enable_prefix_caching)
         C.integer(f("num_scheduler_steps"), self.num_scheduler_steps, 1, 1024)
         C.boolean(f("small_row_tiles"), self.small_row_tiles)
         C.integer(f("seed"), self.seed, 0, 2**64 - 1, allowed="an int in [0, 2**64)")
 
-
-_bucket = speculation.bucket
-
-
-def _padded(lists: list[list], r: int, fill, dtype) -> np.ndarray:
-    """[r, bucketed width] array of the lists, padded with ``fill``."""
-    out = np.full((r, _bucket(max(map(len, lists), default=1), 4)), fill, dtype)
-    for i, x in enumerate(lists):
-        out[i, :len(x)] = x
-    return out
 
 
 class Engine:
@@ -99,10 +101,7 @@ class Engine:
         self.mesh = mesh
         self.dp = dp = sharding.dp_of(mesh)
         sharding.validate_slots(config.max_num_seqs, mesh)
-        loop = config.layer_loop
-        if loop not in ("auto", "scan", "unrolled"):
-            raise ValueError(f"layer_loop must be auto, scan or unrolled; got {loop!r}")
-        self._split = loop == "unrolled" or (loop == "auto" and jax.default_backend() == "cpu")
+        self._split = model.unrolled(config.layer_loop)
         self.weights = sharding.place_weights(weights, cfg, mesh, self._split)
         tiles = lambda c, w: R.with_certified_tiles(w, c, config.row_tile, mesh=mesh,
                                                         attention=config.attention,
@@ -139,6 +138,13 @@ class Engine:
         self._plan, self._dispatched = [], False
         self._arrivals = 0
         self.stats = {"steps": 0, "host_steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.batches = BatchBuilder(row_tile=config.row_tile, max_model_len=max_len, dp=dp,
+                                    block_tables=self.block_tables,
+                                    eos_token_ids=self.eos_token_ids,
+                                    shard_of=self.scheduler.shard_of)
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids=self.eos_token_ids,
+                                       max_model_len=max_len, stats=self.stats,
+                                       release=lambda req: self._release(req))
         tokens = (num_blocks - dp) * config.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per device%s); maximum "
                     "concurrency for %d tokens per request: %.2fx", num_blocks - dp,
@@ -229,8 +235,8 @@ class Engine:
         output (finish_reason "abort"). Unknown ids are ignored."""
         req = self.requests.get(request_id)
         if req is not None:
-            self._finish(req, "abort", None)
-            self._hold(self.output(req))
+            self.outputs.finish(req, "abort", None)
+            self._hold(self.outputs.output(req))
 
     def _fail(self, req: Request, error: BaseException) -> None:
         """Ends one request after a failure serving it (finish_reason "error", the error on its
@@ -239,9 +245,8 @@ class Engine:
                        type(error).__name__, error)
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, "error", None
         req.finished_time = time.monotonic()
-        self.scheduler.remove(req)
-        self.requests.pop(req.request_id, None)
-        out = self.output(req)
+        self._release(req)
+        out = self.outputs.output(req)
         out.error = f"{type(error).__name__}: {error}"
         self._hold(out)
 
@@ -288,8 +293,8 @@ class Engine:
         found = False
         for s in self._plan:
             try:
-                self._build_batch([s])
-                self._stop_rule(s.request)
+                self.batches.build([s])
+                self.batches.stop_rule(s.request)
                 rounds.slot_sampling([s.request], self.config.max_num_seqs, self.eos_token_ids)
             except Exception as e:
                 self._fail(s.request, e)
@@ -318,7 +323,7 @@ class Engine:
         spec_k = self._speculating(plan) if self.spec else {}
         if self.spec and (spec_k or self.spec.draft_cfg is not None):
             return self._spec_step(plan, spec_k)
-        batch, meta, _ = self._build_batch(plan)
+        batch, meta, _ = self.batches.build(plan)
         drawn = jax.device_get(self._run_plain(batch))
         for s in plan:
             self.scheduler.set_computed(s.request, s.start + s.count)
@@ -336,11 +341,11 @@ class Engine:
         return outputs
 
     def _read_row(self, req: Request, drawn, i: int, pos: int) -> RequestOutput | None:
-        lp = self._logprob_entry(req, drawn, i, pos, int(drawn.tokens[i]))
+        lp = self.outputs.logprob_entry(req, drawn, i, pos, int(drawn.tokens[i]))
         if pos >= 0:
             req.prompt_logprobs.append(lp)
             return None
-        return self._append(req, int(drawn.tokens[i]), lp)
+        return self.outputs.append(req, int(drawn.tokens[i]), lp)
 
     def _guarded(self, req: Request, read):
         """``read()``: one request's host work on a step's results. A failure there ends that
@@ -358,7 +363,7 @@ class Engine:
 
     def _speculating(self, plan: list[Scheduled]) -> dict[int, int]:
         """Plan entry -> k (> 0) for the decode rows that draft this round; reserves their blocks."""
-        on = self.spec.enabled_for_step(len(self.scheduler.running))
+        on = self.spec.config.speculates_at(len(self.scheduler.running))
         out = {}
         for i, s in enumerate(plan):
             req = s.request
@@ -379,7 +384,7 @@ class Engine:
         for r in range(n_slots):
             req = plan[order[r]].request if r < len(order) else None
             verify_meta += [(req, -1, j) for j in range(k1)]
-        batch, meta, first = self._build_batch(plan, speculation.layout(plan, spec_k, spec.k_max),
+        batch, meta, first = self.batches.build(plan, layout(plan, spec_k, spec.k_max),
                                                verify_meta, set(order), k1, min_rows=n_slots * k1)
         start = len(meta) - len(verify_meta)
         decode = {i for i, s in enumerate(plan) if self._is_decode(s)}
@@ -387,12 +392,12 @@ class Engine:
         if spec.draft_cfg is not None:
             # the draft pass takes the target's row count (padding tiles cost nothing), or the
             # next bucket when many plain decode rows (two draft rows each) overflow it: few shapes
-            *rows, d_first = speculation.pack(speculation.draft_rows(plan, decode),
-                                              self._shards(plan), self.dp, self.config.row_tile,
+            *rows, d_first = pack(draft_rows(plan, decode),
+                                              self.batches.shards(plan), self.dp, self.config.row_tile,
                                               len(batch.tokens))
             draft, n_draft = (*rows, {i: d_first[i] + 1 for i in decode}), len(rows[0])
-        stops = {i: self._stop_rule(plan[i].request) for i in order}
-        sb = speculation.spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, stops,
+        stops = {i: self.batches.stop_rule(plan[i].request) for i in order}
+        sb = spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, stops,
                                     n_slots, n_draft, start)
         drawn, accepted, out, emitted, drafted = jax.device_get(self._run_spec(batch, sb))
         for i, s in enumerate(plan):
@@ -413,8 +418,8 @@ class Engine:
         new = []
         for j in range(n):
             token = int(out[j])
-            lp = self._logprob_entry(req, drawn, row + j, -1, token)
-            result = self._append(req, token, lp)
+            lp = self.outputs.logprob_entry(req, drawn, row + j, -1, token)
+            result = self.outputs.append(req, token, lp)
             new.append(token)
             if result.finished:                          # a stop string may end it early
                 break
@@ -427,7 +432,7 @@ class Engine:
             req.spec_metrics = speculation.SpecMetrics()
         for m in (self.spec.metrics, req.spec_metrics):
             m.add(drafted, min(accepted, len(new)))
-        return self.output(req, new_token_ids=new)
+        return self.outputs.output(req, new_token_ids=new)
 
     # -- several rounds per host call ----------------------------------------------------------
 
@@ -471,7 +476,7 @@ class Engine:
         self.stats["steps"] += int(n) - 1                   # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
-            req, self._stop_rule(req)[2]) > 0}
+            req, self.batches.stop_rule(req)[2]) > 0}
         outputs = []
         for req in reqs:
             read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
@@ -487,7 +492,7 @@ class Engine:
         for j in range(new_len - req.num_tokens):
             token = int(tokens[j])
             new.append(token)
-            if self._append(req, token, None).finished:
+            if self.outputs.append(req, token, None).finished:
                 break
         if req.status is not Status.FINISHED:
             self.scheduler.set_computed(req, req.num_tokens - 1)
@@ -497,7 +502,7 @@ class Engine:
             for d, a in zip(drafted, accepted):
                 for m in (self.spec.metrics, req.spec_metrics):
                     m.add(int(d), int(a))
-        return self.output(req, new_token_ids=new)
+        return self.outputs.output(req, new_token_ids=new)
 
     def _run_rounds(self, block_tables, prompt_len, length, last, live, sp, num_rounds,
                     until_one_ends=False):
@@ -526,66 +531,14 @@ class Engine:
     # -- compiling ahead -----------------------------------------------------------------------
 
     def shape_buckets(self) -> list[tuple]:
-        """Every (kind, N, R, draft rows) a step of this engine can take; prompt-logprob rows
-        beyond ``max_num_seqs`` draws, and sampling lists longer than 4 entries (min_tokens stop
-        ids, logit_bias, allowed_token_ids), add shapes not listed here. Over dp data shards N is
-        dp segments of a bucketed length (``speculation.pack``), any shard taking the whole
-        token budget."""
-        c, tile, dp = self.config, self.config.row_tile, self.dp
-        span = lambda lo, hi: sorted({_bucket(x, tile) for x in (lo, hi)} |
-                                     {b for b in (tile * 2**j for j in range(24))
-                                      if _bucket(lo, tile) <= b <= _bucket(hi, tile)})
-        max_draws, per_shard = c.max_num_seqs, c.max_num_seqs // dp
-        out = []
-        if self.spec is None or self.spec.draft_cfg is None:          # plain steps
-            out += [("plain", dp * n, r, 0) for n in span(1, c.max_num_batched_tokens)
-                    for r in span(1, max_draws) if r <= _bucket(dp * n, tile)]
-        if self.spec is not None:
-            k1 = self.spec.k_max + 1
-            verify = c.max_num_seqs * k1
-            ns = [dp * n for n in span(per_shard * k1,
-                                       c.max_num_batched_tokens + per_shard * self.spec.k_max)]
-            rs = span(verify, verify + max_draws)
-            ds = lambda n: [n, 2 * n] if self.spec.draft_cfg is not None else [tile]
-            out += [("spec", n, r, d) for n in ns for r in rs for d in ds(n)]
-        if c.num_scheduler_steps > 1:                                  # the rounds' one program
-            out.append(("rounds", 0, 0, 0))
-        return out
+        """Every (kind, N, R, draft rows) a step of this engine can take
+        (``engine.compile.shape_buckets``)."""
+        return compile.shape_buckets(self)
 
     def precompile(self, progress: bool = True) -> float:
-        """Compiles every shape bucket (``shape_buckets``) by running each step once on padding
-        rows, which write only the null block; returns the seconds spent."""
-        from tqdm.auto import tqdm
-
-        t0 = time.monotonic()
-        for kind, n, r, d in tqdm(self.shape_buckets(), desc="Compiling shape buckets",
-                                  disable=not progress, dynamic_ncols=True):
-            if kind == "plain":
-                batch, _, _ = self._build_batch([], [], [(None, -1, 0)] * r, min_rows=n)
-                self._run_plain(batch)
-                continue
-            if kind == "rounds":                 # no live slot: the loop ends before a round
-                s = self.config.max_num_seqs
-                zeros = np.zeros(s, np.int32)
-                self._run_rounds(self.block_tables.copy(), zeros, zeros, zeros, np.zeros(s, bool),
-                                 rounds.slot_sampling([], s, self.eos_token_ids), 0)
-                continue
-            k1 = self.spec.k_max + 1
-            tail = [(None, -1, 0)] * r
-            batch, _, _ = self._build_batch([], [], tail, min_rows=n)
-            start = r - self.config.max_num_seqs * k1
-            sb = speculation.spec_batch([], {}, {}, ([], [], [], {}), {}, self.config.max_num_seqs,
-                                        d, start)
-            self._run_spec(batch, sb)
-        jax.block_until_ready(self.state)
-        return time.monotonic() - t0
-
-    def _stop_rule(self, req: Request) -> tuple[list[int], int, int]:
-        """(stop token ids, index from which they count, tokens left) for the device."""
-        stops = ([] if req.params.ignore_eos else sorted(self.eos_token_ids)) + req.params.stop_token_ids
-        out = len(req.output_token_ids)
-        budget = min(req.max_tokens - out, self.config.max_model_len - req.num_tokens)
-        return stops, max(0, req.params.min_tokens - out), budget
+        """Compiles every shape bucket by running each step once on padding rows, which write
+        only the null block; returns the seconds spent (``engine.compile.precompile``)."""
+        return compile.precompile(self, progress)
 
     def get_metrics(self) -> dict:
         m = dict(self.stats, num_preemptions=self.scheduler.num_preemptions)
@@ -597,167 +550,8 @@ class Engine:
             m["spec_decode"] = self.spec.metrics.as_dict()
         return m
 
-    def _logprob_entry(self, req: Request, drawn, i: int, pos: int, token: int) -> dict[int, Logprob] | None:
-        """{token: Logprob} for the reported token and the top N, or None if not asked for."""
-        n = req.params.prompt_logprobs if pos >= 0 else req.params.logprobs
-        if n is None:
-            return None
-        token = req.prompt_token_ids[pos + 1] if pos >= 0 else token
-        entry = {token: Logprob(float(drawn.logprob[i]), int(drawn.rank[i]), self._piece(token))}
-        for rank, (t, v) in enumerate(zip(drawn.top_ids[i, :n], drawn.top_logprobs[i, :n]), 1):
-            entry.setdefault(int(t), Logprob(float(v), rank, self._piece(int(t))))
-        return entry
-
-    def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
-
-    def _shards(self, plan: list[Scheduled]) -> list[int]:
-        return [self.scheduler.shard_of(s.request.slot) for s in plan]
-
-    def _build_batch(self, plan: list[Scheduled], rows: list[tuple] | None = None,
-                     tail: list | None = None, verify: set[int] = frozenset(), k1: int = 1,
-                     min_rows: int = 0) -> tuple[StepBatch, list, list[int]]:
-        """Packs the plan's rows by data shard (``speculation.pack``); returns the batch, per
-        logit row (request, prompt position whose next token's logprob it reports or -1 for a
-        draw, offset of a verify row), and each entry's first row.
-
-        ``rows`` overrides each entry's rows (``speculation.layout``); the ``tail`` logit rows
-        come last: a round's verify rows, ``k1`` per entry in ``verify`` (slot-major, then
-        padding slots), given as (request, -1, j). Trailing padding costs nothing: whole tiles
-        past the real rows are skipped. At least ``min_rows`` rows are laid out, so a round's
-        shape does not follow its composition.
-        """
-        tile = self.config.row_tile
-        rows = rows if rows is not None else speculation.layout(plan, {}, 0)
-        tokens, positions, slots, first = speculation.pack(rows, self._shards(plan), self.dp, tile,
-                                                           min_rows)
-        logit_rows, verify_rows = [], []
-        for i, s in enumerate(plan):
-            req, row = s.request, first[i]
-            if i in verify:
-                verify_rows += range(row, row + k1)
-                continue
-            if req.params.prompt_logprobs is not None:
-                start = max(s.start, len(req.prompt_logprobs))
-                for pos in range(start, min(s.start + s.count, len(req.prompt_token_ids) - 1)):
-                    logit_rows.append((row + pos - s.start, (req, pos, 0)))
-            if s.draws:
-                logit_rows.append((row + s.count - 1, (req, -1, 0)))
-        tail = tail or []
-        all_rows = [r for r, _ in logit_rows] + verify_rows + [0] * (len(tail) - len(verify_rows))
-        meta = [m for _, m in logit_rows] + list(tail)
-        real = len(logit_rows) + len(verify_rows)
-        r = _bucket(max(len(meta), 1), tile)
-        logprobs = any(req is not None and (req.params.logprobs is not None or pos >= 0)
-                       for req, pos, _ in meta)
-        batch = StepBatch(
-            tokens=tokens, positions=positions, slots=slots,
-            block_tables=self.block_tables.copy(), logit_rows=speculation.pad(all_rows, r, 0),
-            num_logit_rows=np.int32(real), with_logprobs=np.bool_(logprobs),
-            sampling=self._sampling_batch(meta, r))
-        return batch, meta, first
-
-    def _sampling_batch(self, meta: list, r: int) -> sampling.SamplingBatch:
-        f32 = lambda v: np.full(r, v, np.float32)
-        i32 = lambda v: np.full(r, v, np.int32)
-        b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
-                 frequency=f32(0), repetition=f32(1), key_data=np.zeros((r, 2), np.uint32),
-                 position=i32(0), slot=i32(0), seq_pos=i32(-1), prompt_len=i32(0), target=i32(-1))
-        draws = [req is not None and pos < 0 for req, pos, _ in meta]
-        suppress = [self._suppressed(req, j) if d else [] for (req, _, j), d in zip(meta, draws)]
-        bias = [sorted(req.params.logit_bias.items()) if d else [] for (req, _, _), d in zip(meta, draws)]
-        allowed = [req.params.allowed_token_ids or [] if d else [] for (req, _, _), d in zip(meta, draws)]
-        for i, (req, pos, j) in enumerate(meta):
-            if req is None:
-                continue
-            p = req.params
-            b["slot"][i], b["prompt_len"][i] = req.slot, len(req.prompt_token_ids)
-            if pos >= 0:                       # a prompt-logprobs row: nothing is drawn
-                b["seq_pos"][i], b["target"][i] = pos, req.prompt_token_ids[pos + 1]
-                continue
-            b["temperature"][i], b["top_k"][i], b["top_p"][i] = p.temperature, p.top_k, p.top_p
-            b["min_p"][i], b["presence"][i] = p.min_p, p.presence_penalty
-            b["frequency"][i], b["repetition"][i] = p.frequency_penalty, p.repetition_penalty
-            b["key_data"][i] = req.key_data
-            b["position"][i] = len(req.output_token_ids) + j
-            b["seq_pos"][i] = req.num_tokens - 1 + j
-        return sampling.SamplingBatch(
-            **b, suppress=_padded(suppress, r, -1, np.int32),
-            bias_ids=_padded([[t for t, _ in x] for x in bias], r, -1, np.int32),
-            bias=_padded([[max(-100.0, min(100.0, v)) for _, v in x] for x in bias], r, 0, np.float32),
-            allowed=_padded(allowed, r, -1, np.int32))
-
-    def _suppressed(self, req: Request, offset: int = 0) -> list[int]:
-        """Stop tokens can't be drawn before min_tokens (vLLM's semantics)."""
-        if len(req.output_token_ids) + offset >= req.params.min_tokens:
-            return []
-        eos = [] if req.params.ignore_eos else sorted(self.eos_token_ids)
-        return eos + list(req.params.stop_token_ids)
-
-    def _append(self, req: Request, token: int, logprob: dict[int, Logprob] | None) -> RequestOutput:
-        now = time.monotonic()
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.stats["prompt_tokens"] += len(req.prompt_token_ids)
-        piece = req.detok.add(token)        # first: if it fails, the token is not the output's
-        req.output_token_ids.append(token)
-        if logprob is not None:
-            req.logprobs.append(logprob)
-            req.cumulative_logprob += logprob[token].logprob
-        self.stats["generation_tokens"] += 1
-        n, p = len(req.output_token_ids), req.params
-        stop = self._stop_string(req, piece) if n >= p.min_tokens else None
-        if n >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
-            self._finish(req, "stop", None)
-        elif n >= p.min_tokens and token in p.stop_token_ids:
-            self._finish(req, "stop", token)
-        elif stop is not None:
-            self._finish(req, "stop", stop[0], text=stop[1])
-        elif n >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            self._finish(req, "length", None)
-        return self.output(req, new_token_ids=[token])
-
-    @staticmethod
-    def _stop_string(req: Request, piece: str) -> tuple[str, str] | None:
-        """(stop string, truncated text) if the new text completes a stop string."""
-        if not req.params.stop or not piece:
-            return None
-        text = req.detok.text
-        window = len(piece) + max(map(len, req.params.stop)) - 1
-        start = max(0, len(text) - window)
-        hits = [(text.find(st, start), st) for st in req.params.stop]
-        hits = [(i, st) for i, st in hits if i >= 0]
-        if not hits:
-            return None
-        i, st = min(hits)
-        return st, text[:i + len(st)] if req.params.include_stop_str_in_output else text[:i]
-
-    def _finish(self, req: Request, reason: str, stop_reason, text: str | None = None) -> None:
-        req.status = Status.FINISHED
-        req.finish_reason, req.stop_reason = reason, stop_reason
-        req.finished_time = time.monotonic()
-        if text is None:
-            req.detok.finish(req.output_token_ids)
-        else:
-            req.detok.text = text
+    def _release(self, req: Request) -> None:
+        """Frees a finished request's slot and blocks and forgets it."""
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
 
-    def output(self, req: Request, new_token_ids=()) -> RequestOutput:
-        wants = req.params.logprobs is not None
-        completion = CompletionOutput(
-            index=0, text=req.detok.text, token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob if wants else None,
-            logprobs=list(req.logprobs) if wants else None,
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason)
-        metrics = RequestMetrics(arrival_time=req.arrival_time,
-                                 first_scheduled_time=req.first_scheduled_time,
-                                 first_token_time=req.first_token_time,
-                                 finished_time=req.finished_time, num_preemptions=req.num_preemptions,
-                                 spec_decode=req.spec_metrics.as_dict() if req.spec_metrics else None)
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
-                             prompt_token_ids=list(req.prompt_token_ids), outputs=[completion],
-                             prompt_logprobs=([None] + req.prompt_logprobs
-                                              if req.params.prompt_logprobs is not None else None),
-                             finished=req.status is Status.FINISHED, metrics=metrics,
-                             new_token_ids=list(new_token_ids), certificate=req.certificate)

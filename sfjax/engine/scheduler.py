@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import enum
 
-from sfjax.cache import BlockAllocator, ShardedAllocator, hash_blocks
+from sfjax.engine.allocator import BlockAllocator, ShardedAllocator, hash_blocks
 from sfjax.sampling_params import SamplingParams
 from sfjax.tokenizer import IncrementalDetokenizer
 
@@ -131,10 +131,6 @@ class Scheduler:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def grow(self, req: Request, upto: int) -> bool:
-        """Blocks for positions < ``upto`` if the pool has them, without preempting anyone."""
-        return self._grow(req, upto)
-
     def can_grow(self, targets: list[tuple[Request, int]]) -> bool:
         """Whether every (request, upto) of ``targets`` can grow at once (``grow``)."""
         need = collections.Counter()
@@ -142,8 +138,9 @@ class Scheduler:
             need[self.shard_of(req.slot)] += max(0, self.blocks_needed(upto) - len(req.blocks))
         return all(n <= self.pools[d].num_free for d, n in need.items())
 
-    def _grow(self, req: Request, upto: int) -> bool:
-        """Makes ``req`` own blocks for positions < ``upto``; False if the pool is short."""
+    def grow(self, req: Request, upto: int) -> bool:
+        """Makes ``req`` own blocks for positions < ``upto`` if its pool has them (no one is
+        preempted); False if the pool is short."""
         need = self.blocks_needed(upto) - len(req.blocks)
         if need <= 0:
             return True
@@ -217,7 +214,7 @@ class Scheduler:
             if count <= 0:
                 continue
             shard = self.shard_of(req.slot)
-            while not self._grow(req, req.num_computed + count):
+            while not self.grow(req, req.num_computed + count):
                 victim = [r for r in self.running if self.shard_of(r.slot) == shard][-1]
                 self._preempt(victim)
                 if victim is req:
@@ -242,7 +239,7 @@ class Scheduler:
             req.blocks = list(hit)
             self.block_tables[req.slot, :len(hit)] = hit
             req.num_computed = cached
-            self._grow(req, cached + count)
+            self.grow(req, cached + count)
             req.status = Status.RUNNING
             self.running.append(req)
             self.running.sort(key=lambda r: r.arrival)   # preemption takes the latest arrival

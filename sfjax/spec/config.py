@@ -6,6 +6,8 @@ import dataclasses
 import os
 from typing import Any
 
+import numpy as np
+
 from sfjax import checks as C
 from sfjax.config import ModelConfig
 
@@ -92,3 +94,37 @@ class SpeculativeConfig:
         C.integer(f("draft_tensor_parallel_size"), self.draft_tensor_parallel_size, 1, optional=True)
         C.real(f("posterior_threshold"), self.posterior_threshold, 0.0, 1.0)
         C.real(f("posterior_alpha"), self.posterior_alpha, 0.0, 1.0)
+
+    def check_draft(self, target: ModelConfig, max_model_len: int, draft: ModelConfig | None) -> None:
+        """The draft (its config, for ``draft_model``) against the target; raises ValueError
+        naming the field."""
+        if self.method == "draft_model":
+            if draft is None:
+                raise ValueError("speculative_config.model: the draft's ModelConfig (or folder) is "
+                                 "needed")
+            if draft.vocab_size != target.vocab_size:
+                raise ValueError(f"speculative_config.model: the draft's vocabulary "
+                                 f"({draft.vocab_size}) differs from the target's ({target.vocab_size})")
+        if self.max_model_len is not None and self.max_model_len > max_model_len:
+            raise ValueError(f"speculative_config.max_model_len ({self.max_model_len}) must be <= "
+                             f"the target's max_model_len ({max_model_len})")
+
+    def draft_limit(self, max_model_len: int, draft: ModelConfig | None) -> int:
+        """A row drafts only while length + k stays within this (``max_model_len``, and the
+        draft's max_position_embeddings)."""
+        limit = self.max_model_len or max_model_len
+        return min(limit, draft.max_position_embeddings) if draft is not None else limit
+
+    def speculates_at(self, num_running):
+        """Whether a step with ``num_running`` requests (an int, or a traced count) speculates
+        (``disable_by_batch_size``)."""
+        n = self.disable_by_batch_size
+        return True if n is None else num_running < n
+
+
+def drafts_for(k_max: int, budget, length, limit, xp=np):
+    """Drafts for a row this round: k_max, at most one less than the tokens it may still emit
+    (``budget``), none once length + k passes the draft's ``limit``. On host ints (``xp`` numpy)
+    or traced arrays (``xp`` jax.numpy): one rule for the engine and ``sfjax.functional``."""
+    k = xp.clip(xp.minimum(k_max, budget - 1), 0, None)
+    return xp.where(length + k <= limit, k, 0)

@@ -23,10 +23,6 @@ class Certificate:
         """The class it holds in every certified mode (the weakest)."""
         return min((c for _, c in self.modes), key=CLASSES.index)
 
-    @property
-    def sampling_modes(self) -> tuple[str, ...]:
-        return tuple(m for m, _ in self.modes)
-
     def class_for(self, greedy: bool) -> str | None:
         return dict(self.modes).get("greedy" if greedy else "gumbel")
 

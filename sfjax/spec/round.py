@@ -24,7 +24,6 @@ from jax import lax
 
 from pallas_kernels.sampling import gumbel_from_bits
 from sfjax import model, sampling, sharding
-from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.spec import accept, proposers
 from sfjax.step import DeviceState, StepBatch, keep_cache_sharding, record_tokens, replicated
@@ -58,6 +57,14 @@ class RoundConfig:
     ngram_max: int = 4
     threshold: float = 0.09
     alpha: float = 0.3
+
+    @classmethod
+    def of(cls, spec) -> "RoundConfig":
+        """What a round is specialised on, from a ``SpeculativeConfig``."""
+        return cls(method=spec.method, acceptance=spec.acceptance_method,
+                   k_max=spec.num_speculative_tokens, ngram_min=spec.prompt_lookup_min,
+                   ngram_max=spec.prompt_lookup_max, threshold=spec.posterior_threshold,
+                   alpha=spec.posterior_alpha)
 
 
 def _rows(b: sampling.SamplingBatch, idx):

@@ -13,7 +13,6 @@ drafts are verified, never the tokens.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 from typing import Iterable, Sequence
