@@ -56,12 +56,11 @@ def _drive(eng, arrivals, abort_at=None):
 # aphrodite's preemption scenario, at full size
 
 
-# Certified small tiles give a row the bits of the whole tile (tests/test_model.py), and the layer
-# loop is a row-local choice, so neither can change what these tests compare; at this size the
-# tiles' certification and branches, and twelve unrolled layers per step shape, cost minutes of
-# compiling.
+# Certified small tiles give a row the bits of the whole tile (tests/test_model.py), so they can't
+# change what these tests compare; at this size their certification and extra branches cost a
+# minute of compiling.
 GEOMETRY = dict(block_size=8, max_model_len=(2 + 256 // 8) * 8, max_num_seqs=4,
-                small_row_tiles=False, layer_loop="scan")
+                small_row_tiles=False)
 
 
 @pytest.fixture(scope="module")

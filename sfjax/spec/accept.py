@@ -3,13 +3,26 @@
 Each rule returns ``(accepted [S], tokens [S, K + 1])``: the row emits ``tokens[:, :accepted + 1]``
 (the accepted drafts, then the correction or bonus token). Rows draft only their first ``k[s]``
 positions; the rest are masked.
+
+The rules as a round uses them are frozen dataclasses with one method, ``accept(ctx, drafts, k,
+logq, logits, drawn)`` (``ctx``: the round's ``spec.round.Context``), returning (accepted,
+tokens, the step's ``Drawn`` with the emitted tokens' logprobs), each with the exactness class it
+holds per sampling mode (``modes``: the registry's certificates) and whether it compares the
+draft's distribution with the target's (``compares_distributions``: the draft then draws with
+its own keys and reports its log-probabilities).
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import dataclasses
+from typing import ClassVar
 
-from pallas_kernels.sampling import argmax
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.sampling import argmax, gumbel_from_bits
+from sfjax import sampling
 
 
 def _prefix(ok, k):
@@ -95,3 +108,88 @@ def truncate_at_stops(tokens, accepted, stop_ids, min_left, budget):
     is_stop = jnp.any(tokens[..., None] == jnp.where(stop_ids >= 0, stop_ids, -2)[:, None, :], axis=2)
     stop_at = jnp.min(jnp.where(is_stop & (j >= min_left[:, None]), j, tokens.shape[1]), axis=1)
     return jnp.minimum(jnp.minimum(accepted + 1, stop_at + 1), budget).astype(jnp.int32)
+
+
+# -- the rules as a round calls them ---------------------------------------------------------
+
+
+def _target_rows(ctx, x):
+    """The verify rows of ``x`` (a [R, ...] array over the step's logit rows) as [S, K + 1, ...]."""
+    s, k1 = ctx.spec.slots.shape[0], ctx.k_max + 1
+    return lax.dynamic_slice_in_dim(x, ctx.spec.verify_start, s * k1).reshape(s, k1, *x.shape[1:])
+
+
+def _target_log_probs(ctx, logits):
+    b = ctx.batch
+    return _target_rows(ctx, sampling.log_probs(logits, b.sampling, ctx.history, b.num_logit_rows,
+                                                ctx.row_tile))
+
+
+def _report_emitted(ctx, logits, drawn, out):
+    """``drawn`` with the verify rows' logprobs of the tokens emitted (``out``), which may differ
+    from the target's draws."""
+    start, k1 = ctx.spec.verify_start, ctx.k_max + 1
+    rows = lax.dynamic_slice_in_dim(logits, start, out.shape[0] * k1)
+    new = sampling.raw_logprobs(rows, out.reshape(-1), ctx.batch.with_logprobs)
+    put = lambda old, v: lax.dynamic_update_slice_in_dim(old, v.astype(old.dtype), start, 0)
+    return sampling.Drawn(drawn.tokens, *[put(o, v) for o, v in zip(
+        (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs), new)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Exact:
+    """Path-exact (``exact``): drafts equal to the target's own draws are kept."""
+    name: ClassVar[str] = "exact"
+    modes: ClassVar[tuple] = (("greedy", "path-exact"), ("gumbel", "path-exact"))
+    compares_distributions: ClassVar[bool] = False
+
+    def accept(self, ctx, drafts, k, logq, logits, drawn):
+        accepted, out = exact(drafts, _target_rows(ctx, drawn.tokens), k)
+        return accepted, out, drawn
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    """Leviathan/Chen rejection sampling (``rejection``), its uniforms and residual noise from
+    the request's counter keys."""
+    name: ClassVar[str] = "rejection_sampler"
+    # greedy rows under rejection sampling accept exactly the target's argmax
+    modes: ClassVar[tuple] = (("greedy", "path-exact"), ("gumbel", "distribution-exact"))
+    compares_distributions: ClassVar[bool] = True
+
+    def accept(self, ctx, drafts, k, logq, logits, drawn):
+        s, k_max = drafts.shape
+        vrows = jax.tree.map(lambda x: x[ctx.spec.verify_start + jnp.arange(s) * (k_max + 1)],
+                             ctx.batch.sampling)                              # verify row j = 0
+        pos = (vrows.position[:, None] + jnp.arange(k_max)[None, :]).reshape(-1)   # [S * K]
+        keys = jnp.repeat(vrows.key_data, k_max, axis=0)
+        u = jax.vmap(lambda kd, t: jax.random.uniform(
+            sampling.draw_keys(kd[None], t[None], sampling.ROLE_ACCEPT)[0]))(keys, pos)
+        g = sampling.noise_bits(keys, pos, ctx.cfg.vocab_size, sampling.ROLE_RESIDUAL)
+        noise = gumbel_from_bits(g).reshape(s, k_max, -1)
+        accepted, out = rejection(drafts, _target_log_probs(ctx, logits), logq, u.reshape(s, k_max),
+                                  noise, _target_rows(ctx, drawn.tokens), k)
+        return accepted, out, _report_emitted(ctx, logits, drawn, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Typical:
+    """Medusa's typical acceptance (``typical``)."""
+    threshold: float = 0.09
+    alpha: float = 0.3
+    name: ClassVar[str] = "typical_acceptance_sampler"
+    # Medusa's typical acceptance equals plain decoding at temperature 0 only
+    modes: ClassVar[tuple] = (("greedy", "path-exact"), ("gumbel", "lossy"))
+    compares_distributions: ClassVar[bool] = False
+
+    def accept(self, ctx, drafts, k, logq, logits, drawn):
+        s = drafts.shape[0]
+        greedy = ctx.batch.sampling.temperature[ctx.spec.verify_start
+                                                + jnp.arange(s) * (ctx.k_max + 1)] == 0
+        accepted, out = typical(drafts, _target_rows(ctx, drawn.tokens),
+                                _target_log_probs(ctx, logits), k, greedy, self.threshold,
+                                self.alpha)
+        return accepted, out, _report_emitted(ctx, logits, drawn, out)
+
+
+RULES = {rule.name: rule for rule in (Exact, Rejection, Typical)}

@@ -1,14 +1,31 @@
 """Draft proposers on the device: prompt lookup (n-gram) over the token history, with an n-gram
 draft table as its fallback (``sfjax.spec.table``), and a draft model run by ``lax.scan`` over its
-own paged cache on the target's block tables."""
+own paged cache on the target's block tables.
+
+A proposer is a frozen dataclass with one method, ``propose(ctx, draft_weights, draft_cache)``
+(``ctx``: the round's ``spec.round.Context``), returning (drafts int32 [S, K], how many of each
+row's drafts stand int32 [S], the draft's log-probabilities [S, K, V] where the acceptance rule
+compares distributions else None, the draft cache).
+
+Draft model: its cache uses the target's block tables. Every step feeds it the same prefill rows
+as the target, plus two rows per decode slot (positions L-2 and L-1; re-feeding L-2 rewrites the
+same bits, by row invariance), so after any outcome its cache is valid through L'-3 and the next
+round's first draft step completes it. Then ``lax.scan`` draws d_1 .. d_K one row per slot (on a
+mesh with dp > 1, those rows placed by data shard, ``sharding.slot_rows``), each draw over the
+token history with the round's earlier drafts in it, as plain decoding's at that position.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sfjax import model, sampling, sharding
 from sfjax.spec import table as T
+from sfjax.step import keep_cache_sharding, record_tokens, replicated
 
 
 def ngram(history, slots, length, k: int, n_min: int, n_max: int, table: T.NgramTable | None = None):
@@ -45,3 +62,85 @@ def ngram(history, slots, length, k: int, n_min: int, n_max: int, table: T.Ngram
         drafts = jnp.where(none[:, None], t_drafts, drafts)
         available = jnp.where(none & (length >= 1), t_available, available)
     return drafts, available.astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ngram:
+    """Prompt lookup of the last ``n_min``..``n_max`` tokens (``ngram``); the draft weights are
+    the n-gram table, or None."""
+    k_max: int
+    n_min: int = 1
+    n_max: int = 4
+
+    def propose(self, ctx, draft_weights, draft_cache):
+        spec = ctx.spec
+        drafts, available = ngram(ctx.history, spec.slots, spec.length, self.k_max, self.n_min,
+                                  self.n_max, table=draft_weights)
+        logq = None
+        if ctx.compares_distributions:        # a proposal is a point mass
+            logq = jnp.where(jax.nn.one_hot(drafts, ctx.cfg.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
+        return drafts, jnp.minimum(spec.k, available), logq, draft_cache
+
+
+def _rows(b: sampling.SamplingBatch, idx):
+    return jax.tree.map(lambda x: x[idx], b)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    """A smaller Llama's k_max draws per slot (``ctx.dcfg``; its weights and cache are the
+    round's draft arguments), with the target's keys (coupled: the exact rule) or its own
+    (``ctx.compares_distributions``: rejection sampling needs independent drafts)."""
+    k_max: int
+
+    def propose(self, ctx, draft_weights, draft_cache):
+        drafts, logq, draft_cache = _draft_model(draft_weights, draft_cache, ctx, self.k_max)
+        return drafts, ctx.spec.k, (logq if ctx.compares_distributions else None), draft_cache
+
+
+def _draft_model(dw, dcache, ctx, k_max: int):
+    """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
+    batch, spec, history, dcfg, row_tile, sampler = (ctx.batch, ctx.spec, ctx.history, ctx.dcfg,
+                                                     ctx.row_tile, ctx.sampler)
+    attention, mesh, independent = ctx.attention, ctx.draft_mesh, ctx.compares_distributions
+    role = sampling.ROLE_DRAFT if independent else sampling.ROLE_TARGET
+    s = spec.slots.shape[0]
+    sd = -(-s // row_tile) * row_tile                 # slot rows padded to whole tiles
+    grow = lambda x, fill: jnp.concatenate([x, jnp.full((sd - s, *x.shape[1:]), fill, x.dtype)])
+    slots, length, k = grow(spec.slots, -1), grow(spec.length, 0), grow(spec.k, 0)
+    live = slots >= 0
+    h, dcache = model.forward(dw, dcache, spec.draft_tokens, spec.draft_positions, spec.draft_slots,
+                              batch.block_tables, dcfg, row_tile, attention=attention, mesh=mesh)
+    spread, gather = lambda x, fill: x, lambda h: h       # one row per slot, in slot order
+    if sharding.dp_of(mesh) > 1:                           # ... or by data shard
+        first, n = sharding.slot_rows(slots, live, batch.block_tables.shape[0], mesh, 1, row_tile)
+        spread = lambda x, fill: jnp.full((n,), fill, x.dtype).at[first].set(x, mode="drop")
+        gather = lambda h: h[jnp.minimum(first, n - 1)]
+
+    def one(h_rows, j, history):
+        """Draft j of every slot, and ``history`` with it at position L + j: the next draft's
+        penalties see it, as plain decoding's draw at that position sees the token before it."""
+        lg = replicated(model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live), mesh=mesh), mesh)
+        b = _rows(batch.sampling, spec.verify_start + grow(jnp.arange(s) * (k_max + 1) + j, 0))
+        n = jnp.sum(live)                                # live slots come first
+        d = sampling.draw(lg, b, history, n, row_tile, False, sampler, role).tokens
+        logq = (sampling.log_probs(lg, b, history, n, row_tile)
+                if independent else jnp.zeros((sd, 1), jnp.float32))
+        history = record_tokens(history, jnp.where(live & (j < k), slots, -1), length + j, d)
+        return d, logq, history
+
+    d0, q0, history = one(h[grow(spec.draft_last, 0)], 0, history)
+
+    def step(carry, j):
+        d_prev, dcache, history = carry
+        pos = jnp.where(live & (j < k), length - 1 + j, -1)
+        h, dcache = model.forward(dw, dcache, spread(d_prev, 0), spread(pos, -1),
+                                  spread(jnp.where(pos >= 0, slots, -1), -1), batch.block_tables,
+                                  dcfg, row_tile, attention=attention, mesh=mesh)
+        d, logq, history = one(gather(h), j, history)
+        return (d, dcache, history), (d, logq)
+
+    (_, dcache, _), (ds, qs) = lax.scan(step, (d0, dcache, history), jnp.arange(1, k_max))
+    drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]                    # [S, K]
+    logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]      # [S, K, V or 1]
+    return drafts, logq, keep_cache_sharding(dcache, dcfg, mesh)

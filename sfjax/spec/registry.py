@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from sfjax.spec.accept import RULES
+
 # Weakest to strongest.
 CLASSES = ("lossy", "distribution-exact", "path-exact")
 
@@ -46,13 +48,8 @@ class Strategy:
         return f"{self.method}/{self.acceptance}"
 
 
-_RULES = {
-    "exact": (("greedy", "path-exact"), ("gumbel", "path-exact")),
-    # greedy rows under rejection sampling accept exactly the target's argmax
-    "rejection_sampler": (("greedy", "path-exact"), ("gumbel", "distribution-exact")),
-    # Medusa's typical acceptance equals plain decoding at temperature 0 only
-    "typical_acceptance_sampler": (("greedy", "path-exact"), ("gumbel", "lossy")),
-}
+# the class each acceptance rule holds per sampling mode (``spec.accept``)
+_RULES = {name: rule.modes for name, rule in RULES.items()}
 
 PLAIN = Certificate("none", (("greedy", "path-exact"), ("gumbel", "path-exact")))
 

@@ -6,24 +6,21 @@ host lays the verify rows out with their positions; the device fills in the draf
 rows past a slot's own k into padding. Rollback is a length: the host moves ``num_computed`` by
 what was emitted, and K/V written past it is dead (never attended, overwritten later).
 
-Draft model: its cache uses the target's block tables. Every step feeds it the same prefill rows
-as the target, plus two rows per decode slot (positions L-2 and L-1; re-feeding L-2 rewrites the
-same bits, by row invariance), so after any outcome its cache is valid through L'-3 and the next
-round's first draft step completes it. Then ``lax.scan`` draws d_1 .. d_K one row per slot (on a
-mesh with dp > 1, those rows placed by data shard, ``sharding.slot_rows``).
+The round is specialised on a ``RoundConfig``: its proposer (``spec.proposers``: ``Ngram``,
+``DraftModel``) and its acceptance rule (``spec.accept``: ``Exact``, ``Rejection``, ``Typical``),
+frozen dataclasses with one method each; ``spec_step`` calls them and never names a method.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from pallas_kernels.sampling import gumbel_from_bits
-from sfjax import model, sampling, sharding
+from sfjax import model, sampling
 from sfjax.config import ModelConfig
 from sfjax.spec import accept, proposers
 from sfjax.step import DeviceState, StepBatch, keep_cache_sharding, record_tokens, replicated
@@ -50,71 +47,41 @@ class SpecBatch:
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class RoundConfig:
-    method: str               # "draft_model" | "ngram"
-    acceptance: str
-    k_max: int
-    ngram_min: int = 1
-    ngram_max: int = 4
-    threshold: float = 0.09
-    alpha: float = 0.3
+    """What a round is specialised on: its proposer and its acceptance rule."""
+    proposer: Any             # proposers.Ngram | proposers.DraftModel
+    rule: Any                 # accept.Exact | accept.Rejection | accept.Typical
+
+    @property
+    def k_max(self) -> int:
+        return self.proposer.k_max
 
     @classmethod
     def of(cls, spec) -> "RoundConfig":
-        """What a round is specialised on, from a ``SpeculativeConfig``."""
-        return cls(method=spec.method, acceptance=spec.acceptance_method,
-                   k_max=spec.num_speculative_tokens, ngram_min=spec.prompt_lookup_min,
-                   ngram_max=spec.prompt_lookup_max, threshold=spec.posterior_threshold,
-                   alpha=spec.posterior_alpha)
+        """The round of a ``SpeculativeConfig``."""
+        k = spec.num_speculative_tokens
+        proposer = (proposers.Ngram(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                    if spec.method == "ngram" else proposers.DraftModel(k))
+        rule = accept.RULES[spec.acceptance_method]
+        rule = (rule(spec.posterior_threshold, spec.posterior_alpha) if rule is accept.Typical
+                else rule())
+        return cls(proposer, rule)
 
 
-def _rows(b: sampling.SamplingBatch, idx):
-    return jax.tree.map(lambda x: x[idx], b)
-
-
-def _draft_model(dw, dcache, history, batch: StepBatch, spec: SpecBatch, rc: RoundConfig,
-                 dcfg: ModelConfig, row_tile: int, sampler: str, attention: str, mesh):
-    """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
-    role = sampling.ROLE_DRAFT if rc.acceptance == "rejection_sampler" else sampling.ROLE_TARGET
-    s = spec.slots.shape[0]
-    sd = -(-s // row_tile) * row_tile                 # slot rows padded to whole tiles
-    grow = lambda x, fill: jnp.concatenate([x, jnp.full((sd - s, *x.shape[1:]), fill, x.dtype)])
-    slots, length, k = grow(spec.slots, -1), grow(spec.length, 0), grow(spec.k, 0)
-    live = slots >= 0
-    h, dcache = model.forward(dw, dcache, spec.draft_tokens, spec.draft_positions, spec.draft_slots,
-                              batch.block_tables, dcfg, row_tile, attention=attention, mesh=mesh)
-    spread, gather = lambda x, fill: x, lambda h: h       # one row per slot, in slot order
-    if sharding.dp_of(mesh) > 1:                           # ... or by data shard
-        first, n = sharding.slot_rows(slots, live, batch.block_tables.shape[0], mesh, 1, row_tile)
-        spread = lambda x, fill: jnp.full((n,), fill, x.dtype).at[first].set(x, mode="drop")
-        gather = lambda h: h[jnp.minimum(first, n - 1)]
-
-    def one(h_rows, j, history):
-        """Draft j of every slot, and ``history`` with it at position L + j: the next draft's
-        penalties see it, as plain decoding's draw at that position sees the token before it."""
-        lg = replicated(model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live), mesh=mesh), mesh)
-        b = _rows(batch.sampling, spec.verify_start + grow(jnp.arange(s) * (rc.k_max + 1) + j, 0))
-        n = jnp.sum(live)                                # live slots come first
-        d = sampling.draw(lg, b, history, n, row_tile, False, sampler, role).tokens
-        logq = (sampling.log_probs(lg, b, history, n, row_tile)
-                if rc.acceptance == "rejection_sampler" else jnp.zeros((sd, 1), jnp.float32))
-        history = record_tokens(history, jnp.where(live & (j < k), slots, -1), length + j, d)
-        return d, logq, history
-
-    d0, q0, history = one(h[grow(spec.draft_last, 0)], 0, history)
-
-    def step(carry, j):
-        d_prev, dcache, history = carry
-        pos = jnp.where(live & (j < k), length - 1 + j, -1)
-        h, dcache = model.forward(dw, dcache, spread(d_prev, 0), spread(pos, -1),
-                                  spread(jnp.where(pos >= 0, slots, -1), -1), batch.block_tables,
-                                  dcfg, row_tile, attention=attention, mesh=mesh)
-        d, logq, history = one(gather(h), j, history)
-        return (d, dcache, history), (d, logq)
-
-    (_, dcache, _), (ds, qs) = lax.scan(step, (d0, dcache, history), jnp.arange(1, rc.k_max))
-    drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]                    # [S, K]
-    logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]      # [S, K, V or 1]
-    return drafts, logq, keep_cache_sharding(dcache, dcfg, mesh)
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a round's proposer and rule read: this round's batch, its speculating slots, the
+    token history, and the settings the step is specialised on."""
+    batch: StepBatch
+    spec: SpecBatch
+    history: jax.Array
+    k_max: int
+    compares_distributions: bool   # the rule compares the draft's distribution (rejection)
+    cfg: ModelConfig
+    dcfg: ModelConfig | None
+    row_tile: int
+    sampler: str
+    attention: str
+    draft_mesh: Any
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "rc", "row_tile", "sampler",
@@ -134,23 +101,11 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
     accepted [S], tokens [S, K+1], emitted [S], drafted [S]).
     """
     k1 = rc.k_max + 1
-    s = spec.slots.shape[0]
     live = spec.slots >= 0
     history = replicated(record_tokens(state.history, batch.slots, batch.positions, batch.tokens), mesh)
-    start = spec.verify_start
-    vrows = _rows(batch.sampling, start + jnp.arange(s) * k1)              # verify row j = 0
-    if rc.method == "ngram":
-        drafts, available = proposers.ngram(history, spec.slots, spec.length, rc.k_max,
-                                            rc.ngram_min, rc.ngram_max, table=draft_weights)
-        k = jnp.minimum(spec.k, available)
-        logq = None
-        if rc.acceptance == "rejection_sampler":      # a proposal is a point mass
-            logq = jnp.where(jax.nn.one_hot(drafts, cfg.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
-    else:
-        drafts, logq, draft_cache = _draft_model(draft_weights, draft_cache, history, batch, spec,
-                                                 rc, dcfg, row_tile, sampler, attention,
-                                                 draft_mesh)
-        k = spec.k
+    ctx = Context(batch, spec, history, rc.k_max, rc.rule.compares_distributions, cfg, dcfg,
+                  row_tile, sampler, attention, draft_mesh)
+    drafts, k, logq, draft_cache = rc.proposer.propose(ctx, draft_weights, draft_cache)
     k = jnp.where(live, k, 0)
     # fill the verify rows: drafts past a slot's k become padding
     j = jnp.arange(1, k1)[None, :]
@@ -167,31 +122,8 @@ def spec_step(weights, draft_weights, state: DeviceState, draft_cache, batch: St
                                      batch.num_logit_rows, mesh=mesh), mesh)
     drawn = sampling.draw(logits, batch.sampling, history, batch.num_logit_rows, row_tile,
                           batch.with_logprobs, sampler)
-    target = lax.dynamic_slice(drawn.tokens, (start,), (s * k1,)).reshape(s, k1)
-    greedy = vrows.temperature == 0
-    if rc.acceptance == "exact":
-        accepted, out = accept.exact(drafts, target, k)
-    else:
-        logp = sampling.log_probs(logits, batch.sampling, history, batch.num_logit_rows, row_tile)
-        logp = lax.dynamic_slice_in_dim(logp, start, s * k1).reshape(s, k1, -1)
-        if rc.acceptance == "typical_acceptance_sampler":
-            accepted, out = accept.typical(drafts, target, logp, k, greedy, rc.threshold, rc.alpha)
-        else:
-            keys = vrows.key_data
-            pos = vrows.position[:, None] + jnp.arange(rc.k_max)[None, :]      # [S, K]
-            flat_keys = jnp.repeat(keys, rc.k_max, axis=0)
-            u = jax.vmap(lambda kd, t: jax.random.uniform(
-                sampling.draw_keys(kd[None], t[None], sampling.ROLE_ACCEPT)[0]))(flat_keys, pos.reshape(-1))
-            g = sampling.noise_bits(flat_keys, pos.reshape(-1), cfg.vocab_size, sampling.ROLE_RESIDUAL)
-            noise = gumbel_from_bits(g).reshape(s, rc.k_max, -1)
-            accepted, out = accept.rejection(drafts, logp, logq, u.reshape(s, rc.k_max), noise, target, k)
-        # report the logprobs of the tokens emitted, which may differ from the target's draws
-        flat = out.reshape(-1)
-        rows = lax.dynamic_slice_in_dim(logits, start, s * k1)
-        new = sampling.raw_logprobs(rows, flat, batch.with_logprobs)
-        put = lambda old, v: lax.dynamic_update_slice_in_dim(old, v.astype(old.dtype), start, 0)
-        drawn = sampling.Drawn(drawn.tokens, *[put(o, v) for o, v in zip(
-            (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs), new)])
+    accepted, out, drawn = rc.rule.accept(dataclasses.replace(ctx, history=history), drafts, k,
+                                          logq, logits, drawn)
     emitted = accept.truncate_at_stops(out, accepted, spec.stop_ids, spec.min_left, spec.budget)
     emitted = jnp.where(live, emitted, 0)
     outs = replicated((drawn, jnp.where(live, accepted, 0), out, emitted, k), mesh)
