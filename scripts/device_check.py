@@ -1,4 +1,4 @@
-"""Device check of the Pallas paged-attention kernel (issue 6): correctness, bandwidth, end to end.
+"""Device check of the Pallas kernels (issues 6 and 20): correctness, bandwidth, end to end.
 
 Run (one H200, at most about 5 minutes):
     python scripts/device_check.py [--out results.json]
@@ -15,7 +15,13 @@ Sections, each printed as it finishes (a failing section prints its error and th
    k+1 = 5 verify at batch 32 x 8k, Llama-2-7B's attention (32 heads, 32 KV heads, head_dim 128,
    bf16, 16-token pages at random places): the kernel and the jnp path, ms per call (median of
    --iters), and the K/V bytes read per second against the copy ceiling.
-4. e2e: greedy decoding at batch 1 of a Llama-2-7B-shaped random bf16 model (13.5 GB of weights;
+4. matmul: the batch-invariant Pallas matmul (``pallas_kernels.matmul``) on Llama-2-7B's weight
+   shapes in bf16 (q/o 4096 x 4096, gate/up 4096 x 11008, down 11008 x 4096, head 4096 x 32000,
+   in 8 column blocks): its largest error against XLA's product relative to the output's scale;
+   whether a probe row's bytes are the same at the first and last position of calls with M in
+   {1, 8, 16, 64, 128, 160, 512} (and whether XLA's own product keeps them); ms per call at M =
+   1, 32 and 128 for both, and the weight bytes read per second against the copy ceiling.
+5. e2e: greedy decoding at batch 1 of a Llama-2-7B-shaped random bf16 model (13.5 GB of weights;
    weight-read roofline = copy ceiling / weight bytes), plain and with a draft model. The target's
    layers 3..32 write nothing to the residual stream (zero o_proj and down_proj: the same work,
    exact zeros), and the draft is its first two layers with the same embeddings and head, so every
@@ -37,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import matmul as MM
 from pallas_kernels import paged_attention as P
 from sfjax import SamplingParams, toy
 from sfjax import weights as W
@@ -235,13 +242,52 @@ def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 3) 
     return out
 
 
+MATMUL_SHAPES = {"q/o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096),
+                 "head": (4096, 32000)}
+
+
+def matmuls(smoke: bool, iters: int, ceiling: float) -> dict:
+    shapes = {"small": (64, 192)} if smoke else MATMUL_SHAPES
+    kernel = jax.jit(lambda x, w: MM.matmul(x, w, impl="interpret" if ON_CPU else "auto"))
+    xla = jax.jit(lambda x, w: MM.matmul_reference(x, w))
+    out = {}
+    for name, (k, n) in shapes.items():
+        key = jax.random.key(1)
+        w = (jax.random.normal(key, (8, k, n // 8), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+        probe = jax.random.normal(jax.random.key(2), (k,), jnp.float32).astype(jnp.bfloat16)
+        same, same_xla, first, first_xla = True, True, None, None
+        for m in (1, 8, 16, 64, 128, 160, 512):
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            for at in sorted({0, m - 1}):
+                xm = x.at[at].set(probe)
+                row, row_xla = (np.asarray(f(xm, w)[at]).tobytes() for f in (kernel, xla))
+                first, first_xla = first or row, first_xla or row_xla
+                same, same_xla = same and row == first, same_xla and row_xla == first_xla
+        x = jax.random.normal(jax.random.key(3), (128, k), jnp.float32).astype(jnp.bfloat16)
+        ref = np.asarray(MM.matmul_reference(x, w, jnp.float32))
+        err = float(np.abs(np.asarray(kernel(x, w)).astype(np.float32) - ref).max() / np.abs(ref).max())
+        times = {}
+        for m in (1, 32, 128):
+            xm = x[:m]
+            t_k, t_x = timed(kernel, xm, w, iters=iters), timed(xla, xm, w, iters=iters)
+            times[m] = dict(kernel_ms=1e3 * t_k, xla_ms=1e3 * t_x,
+                            kernel_of_copy=w.nbytes / t_k / 1e9 / ceiling)
+        out[name] = dict(rel_err=err, probe_row_same=same, xla_probe_row_same=same_xla, times=times)
+        print(f"matmul {name} {k}x{n}: rel err {err:.2e}, probe row same {same} (XLA: {same_xla}), "
+              + ", ".join(f"M={m}: {t['kernel_ms']:.3f} ms vs XLA {t['xla_ms']:.3f} ms "
+                          f"({100 * t['kernel_of_copy']:.0f}% of copy)" for m, t in times.items()),
+              flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU, interpreted)")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per attention case")
     ap.add_argument("--max-tokens", type=int, default=128, help="e2e: tokens generated")
     ap.add_argument("--k", type=int, default=4, help="e2e: drafts per round")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: correct,attention,e2e")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: "
+                    "correct,attention,e2e,matmul")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -253,6 +299,7 @@ def main() -> None:
     sections = [("correct", lambda: check_correct(args.smoke)),
                 ("copy_gbs", lambda: copy_ceiling(args.smoke, args.iters)),
                 ("attention", lambda: time_attention(args.smoke, args.iters, results["copy_gbs"])),
+                ("matmul", lambda: matmuls(args.smoke, args.iters, results["copy_gbs"])),
                 ("e2e", lambda: e2e(args.smoke, results["copy_gbs"], args.max_tokens, args.k))]
     for name, run in sections:
         if name in skip:

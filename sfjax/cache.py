@@ -15,7 +15,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sfjax import sharding
 from sfjax.config import ModelConfig

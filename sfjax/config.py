@@ -46,9 +46,6 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # how to run it, not part of config.json: row tiles below the engine's row_tile that this
-    # backend computes with row_tile's bits (``rows.certify_row_tiles``); () runs row_tile only
-    small_row_tiles: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -6,9 +6,10 @@ token; ``decode`` runs N rounds; ``generate`` runs rounds until every row is don
 reads back tokens, lengths and acceptance counts. Weights, caches and state are pytrees; ``Config``
 is static and hashable; everything runs on the device (``lax`` loops, masks for finished rows).
 
-A round is the engine's own step (``step.model_step``, ``spec.round.spec_step``), traced inside
-the caller's program, over the batch the engine's host would build, laid out here on the device:
-one row per live sequence (plain) or K + 1 verify rows (speculative), live rows first. Row
+A round is the engine's own (``round.round_step``), traced inside the caller's program, over
+the batch the engine's host would build, laid out here on the device: one row per live sequence
+(plain) or K + 1 verify rows (speculative), live rows first, drawing from the same per-request
+table (``sampling.Sampling``, this module's ``Sampling``) and stop rule (``spec.accept.left``). Row
 invariance (every op in fixed tiles of ``row_tile`` rows) makes a row's logits the same bits in
 either layout, and draws use the engine's counter keys (request key, output index), so the tokens
 equal ``LLM.generate``'s for the same weights, prompts, seeds and speculative settings.
@@ -17,7 +18,7 @@ equal ``LLM.generate``'s for the same weights, prompts, seeds and speculative se
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,144 +27,18 @@ from jax import lax
 
 from sfjax import model, rows, sharding
 from sfjax import weights as W
-from sfjax.cache import KVCache, validate_block_size
-from sfjax.config import ModelConfig
-from sfjax.checks import InvalidType
-from sfjax.sampling import SamplingBatch, request_key_data
-from sfjax.sampling_params import SamplingParams
-from sfjax.spec.config import SpeculativeConfig, drafts_for
-from sfjax.spec.round import RoundConfig, SpecBatch, spec_step
+from sfjax.cache import KVCache
+from sfjax.sampling import Draws, Sampling
+from sfjax.spec import accept
+from sfjax.spec.config import drafts_for
+from sfjax.round import SpecBatch, round_step
+from sfjax.run import RunConfig
 from sfjax.spec.table import NgramTable
-from sfjax.step import DeviceState, StepBatch, model_step
-
-
-INT32_MAX = 2**31 - 1
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Static settings of a generation program (hashable; a pytree with no leaves, so it can be
-    passed to a jitted function as is).
-
-    max_model_len: prompt + output tokens per row (the KV cache and token history hold this many).
-    speculative_config: None (plain decoding) or ``LLM``'s dict / ``SpeculativeConfig``; for
-        ``draft_model`` its "model" is the draft's ``ModelConfig`` (or an HF folder to read one
-        from), and the draft weights are an argument of the calls.
-    block_size, row_tile, sampler, layer_loop, attention: as ``EngineConfig``; tokens equal the
-        engine's for the same ``row_tile`` and ``attention``.
-    mesh, draft_mesh: a (data, model) mesh the target (and the draft; default: the target's
-        mesh) run on, under ``shard_map`` with the caches placed by ``sfjax.sharding`` (the
-        engine's several rounds per call set them). Over dp > 1 data shards the batch B must be
-        divisible by dp: row b is slot b, in data shard b // (B / dp), with its pages there.
-    """
-    model: ModelConfig
-    max_model_len: int
-    speculative_config: SpeculativeConfig | None = None
-    block_size: int = 16
-    row_tile: int = 8
-    sampler: str = "auto"
-    layer_loop: str = "auto"
-    attention: str = "auto"
-    mesh: Any = None
-    draft_mesh: Any = None
-
-    def __post_init__(self):
-        if self.mesh is not None and self.draft_mesh is None:
-            object.__setattr__(self, "draft_mesh", self.mesh)
-        spec = self.speculative_config
-        if spec is not None:
-            spec = SpeculativeConfig.from_dict(spec)
-            if isinstance(spec.model, str):
-                spec = dataclasses.replace(spec, model=ModelConfig.from_folder(spec.model))
-            spec.check_draft(self.model, self.max_model_len,
-                             spec.model if isinstance(spec.model, ModelConfig) else None)
-            object.__setattr__(self, "speculative_config", spec)
-        if not 2 <= self.max_model_len <= self.model.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) must be in [2, the model's "
-                             f"max_position_embeddings ({self.model.max_position_embeddings})]")
-        validate_block_size(self.block_size)
-        if self.row_tile < 1:
-            raise ValueError(f"row_tile must be >= 1, got {self.row_tile}")
-        if self.layer_loop not in model.LAYER_LOOPS:
-            raise ValueError(f"layer_loop must be one of {model.LAYER_LOOPS}; got {self.layer_loop!r}")
-
-    @property
-    def draft(self) -> ModelConfig | None:
-        spec = self.speculative_config
-        return spec.model if spec is not None and spec.method == "draft_model" else None
+from sfjax.step import DeviceState, StepBatch
 
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Sampling:
-    """Per-row sampling settings, [B] unless noted (vLLM's meanings, as ``SamplingParams``)."""
-    temperature: jax.Array   # float32; 0 = greedy
-    top_k: jax.Array         # int32; 0 = off
-    top_p: jax.Array         # float32; 1 = off
-    min_p: jax.Array         # float32; 0 = off
-    presence: jax.Array      # float32 presence penalty
-    frequency: jax.Array     # float32 frequency penalty
-    repetition: jax.Array    # float32 repetition penalty; 1 = off
-    key_data: jax.Array      # uint32 [B, 2] request keys (request_key_data(seed), or
-                             # jax.random.key_data of a key made in the program)
-    max_tokens: jax.Array    # int32 output tokens at most
-    min_tokens: jax.Array    # int32 stop tokens can't end (or be drawn in) the first min_tokens
-    stop_ids: jax.Array      # int32 [B, S] tokens that end the row (EOS + stop_token_ids); -1 pad
-
-    @classmethod
-    def from_params(cls, params: SamplingParams | Sequence[SamplingParams], *,
-                    eos_token_ids: Sequence[int], batch: int | None = None) -> "Sampling":
-        """Arrays for a batch from ``SamplingParams`` (one for all ``batch`` rows, or one per row).
-
-        ``eos_token_ids`` end a row unless its params ``ignore_eos`` (``LLM`` uses the model's
-        generation_config). Sampled rows need a ``seed``. Fields that need the host (stop strings,
-        logprobs, logit_bias, allowed_token_ids, per-request speculation settings) are refused.
-        """
-        params = [params] * (batch or 1) if isinstance(params, SamplingParams) else list(params)
-        for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise InvalidType(f"params[{i}]: must be a SamplingParams, got {type(p).__name__}")
-        params = [p.checked() for p in params]        # checked again: it may have been changed
-        unsupported = {"logit_bias": {}, "allowed_token_ids": None, "stop": [], "logprobs": None,
-                       "prompt_logprobs": None, "disable_spec_decode": False, "spec_strategy": None,
-                       "spec_exactness": None}
-        for p in params:
-            for name, off in unsupported.items():
-                if getattr(p, name) != off:
-                    raise ValueError(f"SamplingParams.{name}: not offered by sfjax.functional")
-            if p.seed is None and p.temperature > 0:
-                raise ValueError("SamplingParams.seed: sampled rows need a seed in sfjax.functional")
-        return cls.placed(params, [request_key_data(p.seed or 0) for p in params],
-                          [p.max_tokens or INT32_MAX for p in params],
-                          eos_token_ids=eos_token_ids)
-
-    @classmethod
-    def placed(cls, params: Sequence[SamplingParams], key_data, max_tokens, *,
-               eos_token_ids: Sequence[int], rows: Sequence[int] | None = None,
-               num_rows: int | None = None) -> "Sampling":
-        """Arrays with ``params[i]`` (its request key data and its resolved ``max_tokens``) at row
-        ``rows[i]`` (default i) of ``num_rows`` (default len(params)); other rows are inert:
-        greedy, no penalties, no stop ids, max_tokens 0. Unchecked (``from_params`` checks); the
-        engine's several-rounds path places its slots' requests with it. The stop-id width is
-        rounded up to a multiple of 4, so few shapes compile."""
-        rows = list(range(len(params))) if rows is None else list(rows)
-        n = len(params) if num_rows is None else num_rows
-        stops = [([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids) for p in params]
-        stop_ids = np.full((n, -(-max(map(len, stops), default=1) // 4) * 4 or 4), -1, np.int32)
-        f32, i32 = (lambda v: np.full(n, v, np.float32)), (lambda v: np.full(n, v, np.int32))
-        b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
-                 frequency=f32(0), repetition=f32(1), key_data=np.zeros((n, 2), np.uint32),
-                 max_tokens=i32(0), min_tokens=i32(0))
-        for r, p, key, most, stop in zip(rows, params, key_data, max_tokens, stops):
-            b["temperature"][r], b["top_k"][r], b["top_p"][r], b["min_p"][r] = (
-                p.temperature, min(p.top_k, INT32_MAX), p.top_p, p.min_p)     # k >= V keeps all
-            b["presence"][r], b["frequency"][r] = p.presence_penalty, p.frequency_penalty
-            b["repetition"][r], b["key_data"][r] = p.repetition_penalty, key
-            b["max_tokens"][r], b["min_tokens"][r] = min(most, INT32_MAX), min(p.min_tokens, INT32_MAX)
-            stop_ids[r, :len(stop)] = stop
-        return cls(**b, stop_ids=stop_ids)
+Config = RunConfig      # a generation program's static settings (``run.RunConfig``)
 
 
 @jax.tree_util.register_dataclass
@@ -250,36 +125,27 @@ def _weights(weights, draft_weights, cfg: Config):
     return weights, place_weights(draft_weights, cfg, draft=True)
 
 
-def _sampling_rows(sp: Sampling, slot, length, prompt_len, k1: int, n: int) -> SamplingBatch:
-    """K1 draw rows per sequence, sequence-major, padded to n: row (r, j) draws output index
-    ``length - prompt_len + j`` after the token at position ``length - 1 + j``."""
+def _draws(slot, length, prompt_len, k1: int, n: int) -> Draws:
+    """K1 draw rows per sequence, sequence-major, padded to n: row (r, j) draws after the token
+    at position ``length - 1 + j`` of slot ``slot[r]``."""
     rep = lambda x: jnp.repeat(x, k1, axis=0)
     j = jnp.tile(jnp.arange(k1, dtype=jnp.int32), slot.shape[0])
-    t = rep(length - prompt_len) + j
-    r = t.shape[0]
-    b = SamplingBatch(
-        temperature=rep(sp.temperature), top_k=rep(sp.top_k), top_p=rep(sp.top_p), min_p=rep(sp.min_p),
-        presence=rep(sp.presence), frequency=rep(sp.frequency), repetition=rep(sp.repetition),
-        key_data=rep(sp.key_data), position=t, slot=rep(slot), seq_pos=rep(length - 1) + j,
-        prompt_len=rep(prompt_len),
-        suppress=jnp.where((t < rep(sp.min_tokens))[:, None], rep(sp.stop_ids), -1),
-        bias_ids=jnp.full((r, 1), -1, jnp.int32), bias=jnp.zeros((r, 1), jnp.float32),
-        allowed=jnp.full((r, 1), -1, jnp.int32), target=jnp.full((r,), -1, jnp.int32))
-    return jax.tree.map(lambda x: jnp.concatenate([x, jnp.broadcast_to(x[:1], (n - r, *x.shape[1:]))]), b)
+    pad = lambda x, fill: jnp.concatenate([x, jnp.full(n - x.shape[0], fill, jnp.int32)])
+    return Draws(slot=pad(rep(slot), -1), seq_pos=pad(rep(length - 1) + j, -1),
+                 prompt_len=pad(rep(prompt_len), 0), target=jnp.full(n, -1, jnp.int32))
 
 
 def _commit(st: State, order, live, out, emitted, accepted, drafted, history) -> State:
     """Appends each live row's ``out[r, :emitted[r]]`` (row r is sequence ``order[r]``), ends rows
-    at a stop token, max_tokens or max_model_len, and counts drafts."""
+    at a stop token, max_tokens or max_model_len (``accept.ends`` with the rows' ``accept.left``,
+    the round's own rule), and counts drafts."""
     s, max_len = st.history.shape
-    length, sp = st.length[order], jax.tree.map(lambda x: x[order], st.sampling)
+    length = st.length[order]
     j = jnp.arange(out.shape[1])[None, :]
     keep = live[:, None] & (j < emitted[:, None])
     history = history.at[jnp.where(keep, order[:, None], s), length[:, None] + j].set(out, mode="drop")
-    last = jnp.take_along_axis(out, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
-    out_n = length - st.prompt_len[order] + emitted
-    stopped = jnp.any(last[:, None] == jnp.where(sp.stop_ids >= 0, sp.stop_ids, -2), axis=1)
-    ended = (stopped & (out_n - 1 >= sp.min_tokens)) | (out_n >= sp.max_tokens) | (length + emitted >= max_len)
+    ended = accept.ends(out, emitted, *accept.left(st.sampling, order, length, st.prompt_len[order],
+                                                   max_len))
     spec = drafted > 0
     put = lambda old, new: old.at[order].set(jnp.where(live, new, old[order]))
     return dataclasses.replace(
@@ -340,28 +206,28 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
                                   jnp.zeros(r - s, jnp.int32)])
     batch = StepBatch(tokens=tokens, positions=positions, slots=slots, block_tables=st.block_tables,
                       logit_rows=logit_rows, num_logit_rows=jnp.int32(s), with_logprobs=jnp.bool_(False),
-                      sampling=_sampling_rows(st.sampling, rows, prompt_lens, prompt_lens, 1, r))
-    dev, drawn = model_step(w, DeviceState(st.cache, st.history), batch, cfg=cfg.model,
-                            row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention,
-                            mesh=cfg.mesh)
+                      draws=_draws(rows, prompt_lens, prompt_lens, 1, r), table=st.sampling)
+    dev, _, drawn, _ = round_step(w, None, DeviceState(st.cache, st.history), None, batch, None,
+                                  run=cfg.plain())
     dcache = st.draft_cache
     if cfg.draft is not None:   # the draft's cache gets the same prompt rows
         _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables, cfg.draft,
-                                  cfg.row_tile, attention=cfg.attention, mesh=cfg.draft_mesh)
+                                  cfg.row_tile, small_tiles=cfg.draft_small_tiles,
+                                  matmul=cfg.matmul, attention=cfg.attention,
+                                  mesh=cfg.draft_mesh)
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
     one = live.astype(jnp.int32)
     return _commit(st, rows, live, drawn.tokens[:s, None], one, zeros_b, zeros_b, dev.history)
 
 
 def _round(w, dw, st: State, cfg: Config) -> State:
-    """One plain step or speculative round for every live row."""
+    """One round for every live row (``round.round_step``): plain (one token each) or
+    speculative (up to k + 1)."""
     s = st.length.shape[0]
     order = jnp.argsort(st.done, stable=True).astype(jnp.int32)   # live rows first, as the step wants
     live = ~st.done[order]
     n_live = jnp.sum(live.astype(jnp.int32))
     length, plen = st.length[order], st.prompt_len[order]
-    sp = jax.tree.map(lambda x: x[order], st.sampling)
-    out_n = length - plen
     last = st.history[order, jnp.maximum(length - 1, 0)]
     slot = jnp.where(live, order, -1)
     spec = cfg.speculative_config
@@ -375,36 +241,37 @@ def _round(w, dw, st: State, cfg: Config) -> State:
         slots=put(-1, slot), block_tables=st.block_tables,
         logit_rows=jnp.concatenate([jnp.where(rows < n, rows, 0), jnp.arange(s * k1, r)]),
         num_logit_rows=n_live * k1, with_logprobs=jnp.bool_(False),
-        sampling=_sampling_rows(sp, order, length, plen, k1, r))
-    dev = DeviceState(st.cache, st.history)
-    if spec is None:
-        dev, drawn = model_step(w, dev, batch, cfg=cfg.model, row_tile=cfg.row_tile,
-                                sampler=cfg.sampler, attention=cfg.attention, mesh=cfg.mesh)
-        st = dataclasses.replace(st, cache=dev.cache)
+        draws=_draws(order, length, plen, k1, r), table=st.sampling)
+    sb = None if spec is None else _spec_batch(st, cfg, order, live, length, plen, last, first)
+    dev, dcache, drawn, v = round_step(w, dw, DeviceState(st.cache, st.history), st.draft_cache,
+                                       batch, sb, run=cfg)
+    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
+    if v is None:
         zero = jnp.zeros(s, jnp.int32)
         return _commit(st, order, live, drawn.tokens[:s, None], live.astype(jnp.int32), zero, zero,
                        dev.history)
-    budget = jnp.minimum(sp.max_tokens - out_n, cfg.max_model_len - length)
+    return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted, dev.history)
+
+
+def _spec_batch(st: State, cfg: Config, order, live, length, plen, last, first) -> SpecBatch:
+    """The speculating rows of a round (``order``: live rows first, each with its verify rows
+    from ``first``): their k (``drafts_for``) and the draft model's rows at L-2, L-1."""
+    spec, s = cfg.speculative_config, order.shape[0]
+    slot = jnp.where(live, order, -1)
+    _, _, budget = accept.left(st.sampling, order, length, plen, cfg.max_model_len)
     k = drafts_for(spec.num_speculative_tokens, budget, length,
                    spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
-    k = jnp.where(live & spec.speculates_at(n_live), k, 0)
+    k = jnp.where(live & spec.speculates_at(jnp.sum(live.astype(jnp.int32))), k, 0)
     two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile)  # rows L-2, L-1
     prev = st.history[order, jnp.maximum(length - 2, 0)]
     put = lambda fill, a, b: (jnp.full(na, fill, jnp.int32).at[two].set(a, mode="drop")
                               .at[two + 1].set(b, mode="drop"))
     on = lambda x: jnp.where(live, x, -1)
-    sb = SpecBatch(slots=slot, length=jnp.where(live, length, 0), k=k, verify_row=first,
-                   stop_ids=sp.stop_ids, min_left=jnp.maximum(sp.min_tokens - out_n, 0),
-                   budget=jnp.where(live, budget, 0), draft_tokens=put(0, prev, last),
-                   draft_positions=put(-1, on(length - 2), on(length - 1)),
-                   draft_slots=put(-1, slot, slot), draft_last=jnp.minimum(two + 1, na - 1),
-                   verify_start=jnp.int32(0))
-    dev, dcache, _, accepted, out, emitted, drafted = spec_step(
-        w, dw, dev, st.draft_cache, batch, sb, cfg=cfg.model, dcfg=cfg.draft, rc=RoundConfig.of(spec),
-        row_tile=cfg.row_tile, sampler=cfg.sampler, attention=cfg.attention, mesh=cfg.mesh,
-        draft_mesh=cfg.draft_mesh)
-    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
-    return _commit(st, order, live, out, emitted, accepted, drafted, dev.history)
+    return SpecBatch(slots=slot, length=jnp.where(live, length, 0), prompt_len=plen, k=k,
+                     verify_row=first, draft_tokens=put(0, prev, last),
+                     draft_positions=put(-1, on(length - 2), on(length - 1)),
+                     draft_slots=put(-1, slot, slot), draft_last=jnp.minimum(two + 1, na - 1),
+                     verify_start=jnp.int32(0))
 
 
 def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,

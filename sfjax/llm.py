@@ -45,7 +45,8 @@ class LLM:
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto",
                  attention: str = "auto", enable_prefix_caching: bool = True,
                  num_scheduler_steps: int = 8, small_row_tiles: bool = True,
-                 layer_loop: str = "auto", speculative_config: dict | SpeculativeConfig | None = None,
+                 layer_loop: str = "auto", matmul: str | None = None,
+                 speculative_config: dict | SpeculativeConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
         if model is None:
             from sfjax.default_model import default_model_path
@@ -64,7 +65,7 @@ class LLM:
             seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler,
             attention=attention, enable_prefix_caching=enable_prefix_caching,
             num_scheduler_steps=num_scheduler_steps, small_row_tiles=small_row_tiles,
-            layer_loop=layer_loop)
+            layer_loop=layer_loop, matmul=matmul)
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if not os.path.isdir(model):
             raise ValueError(f"model: {model!r} is not a folder (an HF model folder is expected)")

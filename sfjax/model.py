@@ -72,54 +72,55 @@ def cache_slots(block_tables, slots, positions, block_size):
     return jnp.where(pad, 0, page), jnp.where(pad, 0, pos % block_size)
 
 
-def _small_tiles(cfg: ModelConfig, sp: Split) -> tuple[int, ...]:
+def _small(small_tiles: tuple[int, ...], sp: Split) -> tuple[int, ...]:
     """The certified smaller row tiles, on one device only (a mesh's bodies are not certified)."""
-    return cfg.small_row_tiles if sp == Split() else ()
+    return small_tiles if sp == Split() else ()
 
 
 # -- one decoder layer --------------------------------------------------------------------------
 
 
-def qkv(x, positions, lw, cfg: ModelConfig, inv_freq):
-    """Rows' queries, keys and values: the attention norm, the three projections, RoPE."""
+def qkv(x, positions, lw, cfg: ModelConfig, inv_freq, mm=matmul):
+    """Rows' queries, keys and values: the attention norm, the three projections, RoPE.
+    ``mm``: the matmul (``Rows.matmul``)."""
     t = x.shape[0]
     h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-    q = matmul(h, lw["wq"]).reshape(t, -1, cfg.head_dim)
-    k = matmul(h, lw["wk"]).reshape(t, -1, cfg.head_dim)
-    v = matmul(h, lw["wv"]).reshape(t, -1, cfg.head_dim)
+    q = mm(h, lw["wq"]).reshape(t, -1, cfg.head_dim)
+    k = mm(h, lw["wk"]).reshape(t, -1, cfg.head_dim)
+    v = mm(h, lw["wv"]).reshape(t, -1, cfg.head_dim)
     angles, zero = rope_angles(positions, inv_freq), rows.opaque_zero(positions)
     return rope(q, angles, zero), rope(k, angles, zero), v
 
 
-def mlp_input(x, attn, lw, cfg: ModelConfig):
+def mlp_input(x, attn, lw, cfg: ModelConfig, mm=matmul):
     """The residual after attention, and the MLP's gated activation of it:
     (x + attn, silu(gate(h)) * up(h)) with h = mlp_norm(x + attn), in one tile body."""
     x = x + attn
     h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
-    return x, jax.nn.silu(matmul(h, lw["w_gate"])) * matmul(h, lw["w_up"])
+    return x, jax.nn.silu(mm(h, lw["w_gate"])) * mm(h, lw["w_up"])
 
 
 def attention_block(x, kc, vc, i, lw, ctx):
     """Layer ``i``'s attention: writes this call's K/V to the cache pages, attends, projects.
     Returns (the attention output projected to d [N, d], the caches)."""
     cfg, sp, r = ctx.cfg, ctx.sp, ctx.rows
-    q, k, v = r.apply(functools.partial(qkv, lw=lw, cfg=cfg, inv_freq=ctx.inv_freq), x,
-                      ctx.positions)
+    q, k, v = r.apply(functools.partial(qkv, lw=lw, cfg=cfg, inv_freq=ctx.inv_freq, mm=r.matmul),
+                      x, ctx.positions)
     kc = kc.at[i, ctx.page, ctx.offset].set(k.astype(kc.dtype))
     vc = vc.at[i, ctx.page, ctx.offset].set(v.astype(vc.dtype))
     run = lambda q: paged_attention(q, kc, vc, i, ctx.block_tables, ctx.slots, ctx.positions,
                                     sm_scale=float(cfg.head_dim) ** -0.5, row_tile=r.tile,
                                     impl=ctx.attention)
     attn = sp.columns(sp.heads(run, q, cfg.num_heads), 1).astype(x.dtype)     # [N, heads, D]
-    out = r.apply(lambda a: matmul(a.reshape(a.shape[0], -1), lw["wo"]), attn)
+    out = r.apply(lambda a: r.matmul(a.reshape(a.shape[0], -1), lw["wo"]), attn)
     return sp.columns(out, 1), kc, vc
 
 
 def mlp(x, attn, lw, ctx):
     """Layer's MLP: (the residual x + attn, down(silu(gate(h)) * up(h))), h = mlp_norm(x + attn)."""
     sp, r = ctx.sp, ctx.rows
-    x, act = r.apply(functools.partial(mlp_input, lw=lw, cfg=ctx.cfg), x, attn)
-    return x, sp.columns(r.apply(lambda a: matmul(a, lw["w_down"]), sp.columns(act, 1)), 1)
+    x, act = r.apply(functools.partial(mlp_input, lw=lw, cfg=ctx.cfg, mm=r.matmul), x, attn)
+    return x, sp.columns(r.apply(lambda a: r.matmul(a, lw["w_down"]), sp.columns(act, 1)), 1)
 
 
 def decoder_layer(carry, lw, i, ctx):
@@ -145,13 +146,15 @@ class _Call:
 
 
 def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables, *,
-             cfg: ModelConfig, row_tile: int, attention: str, sp: Split):
+             cfg: ModelConfig, row_tile: int, small_tiles: tuple[int, ...], kernel: str | None,
+             attention: str, sp: Split):
     """One shard's forward (the whole forward off a mesh). Stages are separate row-tile loops,
     with the all-gathers between them, the same on one device as on many. A data shard's rows
     are its own slots' (``sharding.slot_rows``), so it writes and reads only its own pages."""
     slots = sp.own_slots(slots, block_tables.shape[0])
     page, offset = cache_slots(block_tables, slots, positions, cache.k.shape[2])
-    ctx = _Call(cfg, sp, rows.Rows(positions >= 0, row_tile, _small_tiles(cfg, sp)), attention,
+    ctx = _Call(cfg, sp, rows.Rows(positions >= 0, row_tile, _small(small_tiles, sp), kernel),
+                attention,
                 rope_frequencies(cfg), positions, slots, block_tables, page, offset)
     carry = (sp.embed(weights.embed, tokens), cache.k, cache.v)
     if isinstance(weights.wq, (tuple, list)):       # split_layers: one array per layer, unrolled
@@ -166,7 +169,8 @@ def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_t
 
 
 def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables,
-            cfg: ModelConfig, row_tile: int = 8, *, attention: str = "auto", mesh=None):
+            cfg: ModelConfig, row_tile: int = 8, *, small_tiles: tuple[int, ...] = (),
+            matmul: str | None = None, attention: str = "auto", mesh=None):
     """The ragged forward: writes each row's K/V to its page, returns hidden states.
 
     Stacked weights run by ``lax.scan`` over the layer axis; weights from ``split_layers`` (a
@@ -176,6 +180,11 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
 
     Args:
       tokens, positions, slots: int32 [N] (N a multiple of ``row_tile``; padding: slot -1).
+      small_tiles: smaller row tiles certified to give ``row_tile``'s bits (``RunConfig``): a
+        call whose valid rows fit one runs in it (one device only).
+      matmul: None (matmuls in row tiles of ``row_tile``) or a ``pallas_kernels.matmul`` impl
+        ("interpret", "triton", "mosaic_tpu"): each matmul one batch-invariant Pallas launch over
+        all rows (``rows.Rows``).
       block_tables: int32 [max_seqs, max_blocks].
       attention: ``pallas_kernels.paged_attention.paged_attention``'s impl ("auto": the Pallas
         kernel on GPU and TPU, the reference by query blocks on CPU; "reference_tiles": the
@@ -190,8 +199,8 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
       (hidden [N, d], cache) with this call's K/V written.
     """
     weights = rows.block_weights(weights)
-    fn = functools.partial(_forward, cfg=cfg, row_tile=row_tile, attention=attention,
-                           sp=Split.of(cfg, mesh))
+    fn = functools.partial(_forward, cfg=cfg, row_tile=row_tile, small_tiles=small_tiles,
+                           kernel=matmul, attention=attention, sp=Split.of(cfg, mesh))
     if mesh is None:
         return fn(weights, cache, tokens, positions, slots, block_tables)
     n = tokens.shape[0]
@@ -207,29 +216,31 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
 # -- the head -----------------------------------------------------------------------------------
 
 
-def head(h, weights: Weights, cfg: ModelConfig):
+def head(h, weights: Weights, cfg: ModelConfig, mm=matmul):
     """Final norm and LM head of rows' hidden states; float32 logits (a tied head is embed.T,
     ``rows.block_weights``)."""
-    return matmul(rms_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head, jnp.float32)
+    return mm(rms_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head, jnp.float32)
 
 
-def _logits(weights: Weights, hidden, num_rows, *, cfg: ModelConfig, row_tile: int, sp: Split):
+def _logits(weights: Weights, hidden, num_rows, *, cfg: ModelConfig, row_tile: int,
+            small_tiles: tuple[int, ...], kernel: str | None, sp: Split):
     n = hidden.shape[0]
     valid = sp.first_row(n) + jnp.arange(n) < num_rows
-    out = rows.Rows(valid, row_tile, _small_tiles(cfg, sp)).apply(
-        functools.partial(head, weights=weights, cfg=cfg), hidden)
+    r = rows.Rows(valid, row_tile, _small(small_tiles, sp), kernel)
+    out = r.apply(functools.partial(head, weights=weights, cfg=cfg, mm=r.matmul), hidden)
     return sp.columns(out, 1) if sp.vocab_sharded else out
 
 
 def logits(weights: Weights, hidden, cfg: ModelConfig, row_tile: int = 8, num_rows=None, *,
-           mesh=None):
+           small_tiles: tuple[int, ...] = (), matmul: str | None = None, mesh=None):
     """Final norm and LM head, per tile; float32 [R, vocab]. Rows past ``num_rows`` (traced;
     default all) are skipped by whole tiles and come out zero. On a ``mesh``: under ``shard_map``,
     rows over ``data``, the vocabulary over ``model`` (gathered at the end)."""
     weights = rows.block_weights(weights)
     n = hidden.shape[0]
     num_rows = n if num_rows is None else num_rows
-    fn = functools.partial(_logits, cfg=cfg, row_tile=row_tile, sp=Split.of(cfg, mesh))
+    fn = functools.partial(_logits, cfg=cfg, row_tile=row_tile, small_tiles=small_tiles,
+                           kernel=matmul, sp=Split.of(cfg, mesh))
     if mesh is None:
         return fn(weights, hidden, num_rows)
     m = sharding.pad_to(n, mesh, row_tile)

@@ -103,15 +103,30 @@ def per_tile_sized(fn, row_tile: int, small_tiles: tuple[int, ...], valid_rows, 
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """A call's rows: ``valid`` (bool [N], traced; N a multiple of ``tile``), computed in tiles of
-    ``tile`` rows or in one of the certified ``small`` tiles when the valid rows fit it."""
+    ``tile`` rows or in one of the certified ``small`` tiles when the valid rows fit it; or, with
+    a ``kernel`` (a ``pallas_kernels.matmul`` impl: "interpret", "triton", "mosaic_tpu"), all at
+    once, each matmul one batch-invariant Pallas launch over every row (the accelerator path)."""
     valid: Any
     tile: int
     small: tuple[int, ...] = ()
+    kernel: str | None = None
 
     def apply(self, fn, *xs):
         """``fn`` (row-local: row r of its output depends on row r of its inputs only) over the
-        rows of ``xs`` (pytrees of [N, ...] arrays); rows of skipped tiles come out zero."""
+        rows of ``xs`` (pytrees of [N, ...] arrays); rows of skipped tiles come out zero (with a
+        kernel, the matmuls' rows past the last valid one)."""
+        if self.kernel is not None:
+            return fn(*xs)
         return per_tile_sized(fn, self.tile, self.small, self.valid, *xs)
+
+    def matmul(self, a, w, out_dtype=None):
+        """``a @ w`` (``w`` blocked) for ``fn``s under ``apply``: ``matmul`` on a tile, or the
+        kernel over all rows, skipping row blocks past the last valid row."""
+        if self.kernel is None:
+            return matmul(a, w, out_dtype)
+        from pallas_kernels import matmul as kernels        # the kernels import this module
+        last = jnp.max(jnp.where(self.valid, jnp.arange(1, self.valid.shape[0] + 1), 0))
+        return kernels.matmul(a, w, last, out_dtype=out_dtype, impl=self.kernel)
 
 
 # -- the blocked matmul -------------------------------------------------------------------------
@@ -211,12 +226,11 @@ def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
     so it is kept per (model shape, row_tile, backend) for the process.
     """
     cands = tuple(sorted(t for t in set(candidates) if t < row_tile and row_tile % t == 0))
-    base = dataclasses.replace(cfg, small_row_tiles=())
-    key = (base, row_tile, cands, attention, jax.default_backend(),
+    key = (cfg, row_tile, cands, attention, jax.default_backend(),
            isinstance(weights.wq, (tuple, list)),
            tuple(str(x.dtype) for x in jax.tree.leaves(weights)))
     if key not in _CERTIFIED:
-        _CERTIFIED[key] = _certify(weights, base, row_tile, cands, attention) if cands else ()
+        _CERTIFIED[key] = _certify(weights, cfg, row_tile, cands, attention) if cands else ()
     return _CERTIFIED[key]
 
 
@@ -232,16 +246,16 @@ def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, n), jnp.int32)
     tables = jnp.arange(1, 1 + 2 * per_slot, dtype=jnp.int32).reshape(2, per_slot)
     cache = KVCache.zeros(cfg, 1 + 2 * per_slot, block_size)
-    small = dataclasses.replace(cfg, small_row_tiles=cands)
 
     @jax.jit
     def probe(m, other):
         i = jnp.arange(n)
         positions = jnp.where(i < m, i, jnp.where((i == n - 1) & other, 0, -1))
         slots = jnp.where(i < m, 0, jnp.where(positions >= 0, 1, -1))
-        hidden, kv = model.forward(weights, cache, tokens, positions, slots, tables, small,
-                                   row_tile, attention=attention)
-        out = model.logits(weights, hidden, small, row_tile, num_rows=jnp.where(other, n, m))
+        hidden, kv = model.forward(weights, cache, tokens, positions, slots, tables, cfg,
+                                   row_tile, small_tiles=cands, attention=attention)
+        out = model.logits(weights, hidden, cfg, row_tile, num_rows=jnp.where(other, n, m),
+                           small_tiles=cands)
         return out, hidden, kv.k[:, 1:1 + per_slot], kv.v[:, 1:1 + per_slot]
 
     def same(t):
@@ -251,12 +265,11 @@ def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention
     return tuple(t for t in cands if same(t))
 
 
-def with_certified_tiles(weights: Weights, cfg: ModelConfig, row_tile: int, *, attention: str,
-                         mesh=None, enabled: bool = True) -> ModelConfig:
-    """``cfg`` with the small row tiles this backend certifies (``certify_row_tiles``): on one CPU
-    device only (a mesh's sharded bodies are not probed; on accelerators a step's few rows are
-    not what a decode step costs)."""
+def certified_tiles(weights: Weights, cfg: ModelConfig, row_tile: int, *, attention: str,
+                    mesh=None, enabled: bool = True) -> tuple[int, ...]:
+    """The small row tiles this backend certifies for the model (``certify_row_tiles``), the
+    ``RunConfig``'s: on one CPU device only (a mesh's sharded bodies are not probed; on
+    accelerators a step's few rows are not what a decode step costs)."""
     if not enabled or mesh is not None or jax.default_backend() != "cpu":
-        return dataclasses.replace(cfg, small_row_tiles=())
-    return dataclasses.replace(cfg, small_row_tiles=certify_row_tiles(
-        weights, cfg, row_tile, attention=attention))
+        return ()
+    return certify_row_tiles(weights, cfg, row_tile, attention=attention)

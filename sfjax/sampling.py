@@ -1,5 +1,10 @@
 """Sampling on the device: vLLM's logits processors, then Gumbel-max with counter-based keys.
 
+A step's draws read one table of per-request settings by slot (``Sampling``, what a request's
+``SamplingParams`` mean on the device) and, per logit row, which slot and position it draws at
+(``Draws``); ``rows`` expands the two into the per-row arrays the sampler reads
+(``SamplingBatch``). The engine and ``sfjax.functional`` build the table and the rows the same way.
+
 The draw at output position t of a request uses ``fold_in(fold_in(request_key, t), role)``: it
 depends on (request key, position, logits) only, never on the batch or on earlier draws. Every
 row is processed inside the same fixed row tiles as the model (``sfjax.rows``), so its
@@ -9,14 +14,19 @@ token and logprobs are the same bits in any batch.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import sampling as kernels
+from sfjax.checks import InvalidType
 from sfjax.rows import num_tiles_of, per_tile
-from sfjax.sampling_params import MAX_LOGPROBS
+from sfjax.sampling_params import MAX_LOGPROBS, SamplingParams
+
+INT32_MAX = 2**31 - 1
 
 ROLE_TARGET = 0    # the token drawn from the target model at a position (and by coupled drafters)
 ROLE_DRAFT = 1     # a draft model's own draw (rejection sampling needs independent drafts)
@@ -45,6 +55,136 @@ class SamplingBatch:
     bias: jax.Array           # float32 [R, B]
     allowed: jax.Array        # int32 [R, A] allowed_token_ids; all -1 = no restriction
     target: jax.Array         # int32 the token whose logprob is reported; -1 = the drawn one
+
+
+def width(n: int) -> int:
+    """The padded width of a per-request id list of ``n`` entries: 4 * 2**j, so few shapes."""
+    w = 4
+    while w < n:
+        w *= 2
+    return w
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Sampling:
+    """Per-request sampling settings, one row per slot (or per row of ``sfjax.functional``'s
+    batch); [B] unless noted, with ``SamplingParams``' (vLLM's) meanings."""
+    temperature: jax.Array   # float32; 0 = greedy
+    top_k: jax.Array         # int32; 0 = off
+    top_p: jax.Array         # float32; 1 = off
+    min_p: jax.Array         # float32; 0 = off
+    presence: jax.Array      # float32 presence penalty
+    frequency: jax.Array     # float32 frequency penalty
+    repetition: jax.Array    # float32 repetition penalty; 1 = off
+    key_data: jax.Array      # uint32 [B, 2] request keys (request_key_data(seed), or
+                             # jax.random.key_data of a key made in the program)
+    max_tokens: jax.Array    # int32 output tokens at most
+    min_tokens: jax.Array    # int32 stop tokens can't end (or be drawn in) the first min_tokens
+    stop_ids: jax.Array      # int32 [B, S] tokens that end the row (EOS + stop_token_ids); -1 pad
+    bias_ids: jax.Array      # int32 [B, W] logit_bias ids; -1 pad
+    bias: jax.Array          # float32 [B, W] their biases
+    allowed: jax.Array       # int32 [B, A] allowed_token_ids; all -1 = no restriction
+
+    @classmethod
+    def from_params(cls, params: SamplingParams | Sequence[SamplingParams], *,
+                    eos_token_ids: Sequence[int], batch: int | None = None) -> "Sampling":
+        """The table for a batch of ``sfjax.functional`` rows from ``SamplingParams`` (one for
+        all ``batch`` rows, or one per row).
+
+        ``eos_token_ids`` end a row unless its params ``ignore_eos`` (``LLM`` uses the model's
+        generation_config). Sampled rows need a ``seed``. Fields that need the host between
+        tokens (stop strings, logprobs, per-request speculation settings) are refused.
+        """
+        params = [params] * (batch or 1) if isinstance(params, SamplingParams) else list(params)
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise InvalidType(f"params[{i}]: must be a SamplingParams, got {type(p).__name__}")
+        params = [p.checked() for p in params]        # checked again: it may have been changed
+        unsupported = {"stop": [], "logprobs": None, "prompt_logprobs": None,
+                       "disable_spec_decode": False, "spec_strategy": None, "spec_exactness": None}
+        for p in params:
+            for name, off in unsupported.items():
+                if getattr(p, name) != off:
+                    raise ValueError(f"SamplingParams.{name}: not offered by sfjax.functional")
+            if p.seed is None and p.temperature > 0:
+                raise ValueError("SamplingParams.seed: sampled rows need a seed in sfjax.functional")
+        return cls.placed(params, [request_key_data(p.seed or 0) for p in params],
+                          [p.max_tokens or INT32_MAX for p in params],
+                          eos_token_ids=eos_token_ids)
+
+    @classmethod
+    def placed(cls, params: Sequence[SamplingParams], key_data, max_tokens, *,
+               eos_token_ids: Sequence[int], rows: Sequence[int] | None = None,
+               num_rows: int | None = None) -> "Sampling":
+        """The table (numpy) with ``params[i]`` (its request key data and its resolved
+        ``max_tokens``) at row ``rows[i]`` (default i) of ``num_rows`` (default len(params));
+        other rows are inert: greedy, no penalties, no stop ids, max_tokens 0. Unchecked
+        (``from_params`` checks; the engine's requests are checked at admission). The id lists
+        are padded to ``width``s, so few shapes compile."""
+        rows = list(range(len(params))) if rows is None else list(rows)
+        n = len(params) if num_rows is None else num_rows
+        stops = [([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)
+                 for p in params]
+        biases = [sorted((p.logit_bias or {}).items()) for p in params]
+        allowed = [list(p.allowed_token_ids or []) for p in params]
+        ids = lambda lists, fill, dtype: np.full(
+            (n, width(max(map(len, lists), default=0))), fill, dtype)
+        stop_ids, bias_ids, bias = ids(stops, -1, np.int32), ids(biases, -1, np.int32), ids(biases, 0, np.float32)
+        allowed_ids = ids(allowed, -1, np.int32)
+        f32, i32 = (lambda v: np.full(n, v, np.float32)), (lambda v: np.full(n, v, np.int32))
+        b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
+                 frequency=f32(0), repetition=f32(1), key_data=np.zeros((n, 2), np.uint32),
+                 max_tokens=i32(0), min_tokens=i32(0))
+        for r, p, key, most, stop, bs, al in zip(rows, params, key_data, max_tokens, stops, biases,
+                                                 allowed):
+            b["temperature"][r], b["top_k"][r], b["top_p"][r], b["min_p"][r] = (
+                p.temperature, min(p.top_k, INT32_MAX), p.top_p, p.min_p)     # k >= V keeps all
+            b["presence"][r], b["frequency"][r] = p.presence_penalty, p.frequency_penalty
+            b["repetition"][r], b["key_data"][r] = p.repetition_penalty, key
+            b["max_tokens"][r], b["min_tokens"][r] = min(most, INT32_MAX), min(p.min_tokens, INT32_MAX)
+            stop_ids[r, :len(stop)] = stop
+            bias_ids[r, :len(bs)] = [t for t, _ in bs]
+            bias[r, :len(bs)] = [max(-100.0, min(100.0, v)) for _, v in bs]
+            allowed_ids[r, :len(al)] = al
+        return cls(**b, stop_ids=stop_ids, bias_ids=bias_ids, bias=bias, allowed=allowed_ids)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Draws:
+    """Which slot and position each of a step's logit rows draws at; [R]."""
+    slot: jax.Array          # int32 the row's slot (its table row and token history); -1 padding
+    seq_pos: jax.Array       # int32 position of the row's input token (the draw is the next one)
+    prompt_len: jax.Array    # int32 the slot's prompt length
+    target: jax.Array        # int32 a prompt-logprobs row's reported token (nothing is drawn);
+                             # -1 for a draw
+
+    @classmethod
+    def padding(cls, r: int) -> "Draws":
+        """``r`` padding rows (numpy)."""
+        full = lambda v: np.full(r, v, np.int32)
+        return cls(slot=full(-1), seq_pos=full(-1), prompt_len=full(0), target=full(-1))
+
+
+def rows(table: Sampling, d: Draws) -> SamplingBatch:
+    """The per-row arrays of a step's draws: each row gets its slot's settings, drawing output
+    index ``seq_pos + 1 - prompt_len`` (its key's counter, and whether min_tokens still
+    suppresses the stop ids). Prompt-logprobs rows (``target >= 0``) and padding rows
+    (``slot < 0``) draw nothing: greedy and unprocessed."""
+    draws = (d.slot >= 0) & (d.target < 0)
+    slot = jnp.maximum(d.slot, 0)
+    s = jax.tree.map(lambda x: x[slot], table)
+    on = lambda x, off: jnp.where(draws.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.asarray(off, x.dtype))
+    position = jnp.where(draws, d.seq_pos + 1 - d.prompt_len, 0)
+    suppress = jnp.where((position < s.min_tokens)[:, None], s.stop_ids, -1)
+    return SamplingBatch(
+        temperature=on(s.temperature, 0), top_k=on(s.top_k, 0), top_p=on(s.top_p, 1),
+        min_p=on(s.min_p, 0), presence=on(s.presence, 0), frequency=on(s.frequency, 0),
+        repetition=on(s.repetition, 1), key_data=on(s.key_data, 0), position=position, slot=slot,
+        seq_pos=jnp.where(d.slot >= 0, d.seq_pos, -1), prompt_len=jnp.where(d.slot >= 0, d.prompt_len, 0),
+        suppress=on(suppress, -1), bias_ids=on(s.bias_ids, -1), bias=on(s.bias, 0),
+        allowed=on(s.allowed, -1), target=jnp.where(d.slot >= 0, d.target, -1))
 
 
 @jax.tree_util.register_dataclass

@@ -1,4 +1,5 @@
-"""The jitted step: one ragged forward over the paged cache, logits at chosen rows, sampling."""
+"""What a round carries: the device state between rounds, the batch the caller plans, and the
+helpers the round and its proposers share (``sfjax.round`` is the round itself)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import jax.numpy as jnp
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sfjax import model, sampling, sharding
+from sfjax import sampling, sharding
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
-from sfjax.weights import Weights
 
 
 @jax.tree_util.register_dataclass
@@ -35,7 +35,8 @@ class StepBatch:
     logit_rows: jax.Array      # int32 [R] rows of N whose logits are taken (padding: 0)
     num_logit_rows: jax.Array  # int32 scalar: the real ones come first
     with_logprobs: jax.Array   # bool scalar: compute raw logprobs this step
-    sampling: sampling.SamplingBatch
+    draws: sampling.Draws      # [R] which slot and position each logit row draws at
+    table: sampling.Sampling   # [max_seqs] each slot's request's sampling settings
 
 
 def record_tokens(history, slots, positions, tokens):
@@ -57,23 +58,6 @@ def keep_cache_sharding(cache: KVCache, cfg: ModelConfig, mesh) -> KVCache:
         return cache
     return jax.lax.with_sharding_constraint(
         cache, NamedSharding(mesh, sharding.cache_spec(cfg, mesh)))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "row_tile", "sampler", "attention", "mesh"),
-                   donate_argnames=("state",))
-def model_step(weights: Weights, state: DeviceState, batch: StepBatch, *, cfg: ModelConfig,
-               row_tile: int, sampler: str = "auto", attention: str = "auto", mesh=None):
-    """Runs one step (the model under ``shard_map`` on ``mesh``; sampling on whole logits).
-    DONATES ``state``. Returns (state, Drawn [R])."""
-    history = replicated(record_tokens(state.history, batch.slots, batch.positions, batch.tokens), mesh)
-    hidden, cache = model.forward(weights, state.cache, batch.tokens, batch.positions, batch.slots,
-                                  batch.block_tables, cfg, row_tile, attention=attention, mesh=mesh)
-    logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, row_tile,
-                                     batch.num_logit_rows, mesh=mesh), mesh)
-    drawn = sampling.draw(logits, batch.sampling, history, batch.num_logit_rows, row_tile,
-                          batch.with_logprobs, sampler)
-    return (DeviceState(cache=keep_cache_sharding(cache, cfg, mesh), history=history),
-            replicated(drawn, mesh))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from sfjax import LLM, SamplingParams, toy
+from sfjax import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -192,8 +192,38 @@ def test_weights_are_checked_against_the_config(pair):
 
 
 def test_sampling_params_the_functional_path_cannot_honour_are_refused():
-    for bad in (dict(stop=["x"]), dict(logprobs=2), dict(logit_bias={3: 1.0}), dict(disable_spec_decode=True)):
+    for bad in (dict(stop=["x"]), dict(logprobs=2), dict(disable_spec_decode=True)):
         with pytest.raises(ValueError, match="not offered by sfjax.functional"):
             F.Sampling.from_params(SamplingParams(temperature=0, **bad), eos_token_ids=())
     with pytest.raises(ValueError, match="seed"):
         F.Sampling.from_params(SamplingParams(temperature=1.0), eos_token_ids=())
+
+
+def test_logit_bias_and_allowed_token_ids_equal_llm_generate(pair, engine):
+    """The per-request table (``sampling.Sampling``) carries logit_bias and allowed_token_ids to
+    the device: the tokens equal LLM.generate's, plain and speculative, and the two act."""
+    allowed = list(range(100, 140))
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias={7: 6.0, 300: 3.0}),
+              SamplingParams(temperature=1.0, seed=11, max_tokens=16, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.8, seed=12, max_tokens=16, logit_bias={5: -100, 9: 2.0},
+                             allowed_token_ids=[5, 9, 40, 41, 42]),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    prompts = _prompts(4)
+    for method in ("plain", "ngram"):
+        cfg = F.Config(pair["cfg"], MAX_LEN, speculative_config=_spec(method, pair))
+        got, *_ = _run(user_program(cfg), pair, prompts, params, draft=None)
+        assert got == [o.outputs[0].token_ids for o in _engine(engine(method), prompts, params)]
+    assert got[0].count(7) > 8
+    assert set(got[1]) <= set(allowed) and set(got[2]) <= {9, 40, 41, 42}
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(row_tile=0), r"RunConfig.row_tile = 0 is out of range"),
+    (dict(max_model_len=1), r"RunConfig.max_model_len = 1 is out of range"),
+    (dict(attention="fast"), r"RunConfig.attention = 'fast': must be one of"),
+    (dict(matmul="cublas"), r"RunConfig.matmul = 'cublas': must be one of None"),
+    (dict(small_tiles=(3,)), r"RunConfig.small_tiles = \(3,\) is out of range"),
+])
+def test_the_run_config_names_a_bad_field(pair, bad, match):
+    with pytest.raises(ValueError, match=match):
+        F.Config(**{"model": pair["cfg"], "max_model_len": MAX_LEN, **bad})

@@ -1,7 +1,6 @@
 """Row invariance of the whole forward (docs/design.md §1.2): a row's logits are the same bits whatever
 the step's shape, the rows around it, its tile position, or how its tokens were chunked."""
 
-import dataclasses
 import functools
 
 import jax
@@ -16,20 +15,21 @@ CFG = toy.tiny_config()
 BS, MAX_BLOCKS = 8, 16
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _run(w, cache, tokens, positions, slots, tables, cfg):
-    h, cache = model.forward(w, cache, tokens, positions, slots, tables, cfg, 8)
-    return model.logits(w, h, cfg, 8), cache
+@functools.partial(jax.jit, static_argnames=("small_tiles",))
+def _run(w, cache, tokens, positions, slots, tables, small_tiles=()):
+    h, cache = model.forward(w, cache, tokens, positions, slots, tables, CFG, 8,
+                             small_tiles=small_tiles)
+    return model.logits(w, h, CFG, 8, small_tiles=small_tiles), cache
 
 
-def _call(w, cache, rows, tables, n, cfg=CFG):
+def _call(w, cache, rows, tables, n, small_tiles=()):
     """rows: list of (token, position, slot), padded to n rows."""
     t = np.zeros(n, np.int32)
     p = np.full(n, -1, np.int32)
     s = np.full(n, -1, np.int32)
     for i, (tok, pos, slot) in enumerate(rows):
         t[i], p[i], s[i] = tok, pos, slot
-    return _run(w, cache, t, p, s, tables, cfg)
+    return _run(w, cache, t, p, s, tables, small_tiles)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,6 @@ def test_certified_small_tiles_keep_every_rows_bits(setup):
     tiles = R.certify_row_tiles(w, CFG, 8, (1, 2, 4))
     assert set(tiles) <= {1, 2, 4}
     assert tiles, "no tile below 8 keeps the bits on this backend: decode at batch 1 runs in 8"
-    small = dataclasses.replace(CFG, small_row_tiles=tiles)
     seq = np.random.default_rng(2).integers(0, CFG.vocab_size, 30)
     ref, _ = _call(w, KVCache.zeros(CFG, 8 * MAX_BLOCKS + 1, BS),
                    [(t, i, 0) for i, t in enumerate(seq)], tables, 32)
@@ -97,8 +96,8 @@ def test_certified_small_tiles_keep_every_rows_bits(setup):
         rows = [(tok, i, 0)] if i < 15 else [(tok, i, s) for s in (0, 1, 2)]
         if i == 15:                         # slots 1 and 2 catch up to slot 0 in one step
             _, cache = _call(w, cache, [(t, j, s) for s in (1, 2) for j, t in enumerate(seq[:15])],
-                             tables, 32, small)
-        logits, cache = _call(w, cache, rows, tables, 8, small)
+                             tables, 32, tiles)
+        logits, cache = _call(w, cache, rows, tables, 8, tiles)
         for r in range(len(rows)):
             assert (np.asarray(logits)[r] == ref[i]).all(), f"token {i}, row {r} of {len(rows)}"
 

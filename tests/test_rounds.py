@@ -13,10 +13,12 @@ GEOMETRY = dict(max_num_seqs=4, max_model_len=64, row_tile=8)
 
 def _params():
     """Every stop rule the rounds end on: EOS, stop ids, max_tokens (also 1 and 2), min_tokens,
-    max_model_len; greedy and seeded draws with the filters and penalties."""
+    max_model_len; greedy and seeded draws with the filters, penalties, logit_bias and
+    allowed_token_ids."""
     return [
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-        SamplingParams(temperature=0.9, seed=1, max_tokens=23, top_k=40, top_p=0.9),
+        SamplingParams(temperature=0.9, seed=1, max_tokens=23, top_k=40, top_p=0.9,
+                       logit_bias={7: 4.0, 300: 2.5, 12: -100}),
         SamplingParams(temperature=1.0, seed=2, max_tokens=40, repetition_penalty=1.3,
                        presence_penalty=0.4, frequency_penalty=0.2, min_p=0.05),
         SamplingParams(temperature=0.8, seed=3, max_tokens=50, stop_token_ids=[5, 17, 33],
@@ -24,7 +26,8 @@ def _params():
         SamplingParams(temperature=0, max_tokens=1),
         SamplingParams(temperature=0.7, seed=4, max_tokens=2),
         SamplingParams(temperature=1.2, seed=5, max_tokens=50),      # EOS (id 1) may end it
-        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),  # up to max_model_len
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True,   # up to max_model_len
+                       allowed_token_ids=list(range(40, 90))),
     ]
 
 

@@ -8,7 +8,6 @@ module; the last test SIGTERMs it while requests stream.
 """
 
 import asyncio
-import json
 import os
 import random
 import signal

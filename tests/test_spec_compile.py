@@ -8,7 +8,7 @@ from sfjax import LLM, SamplingParams, toy
 
 def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
     target = model_folder(toy.tiny_config(), seed=0, std=0.1)
-    # one round per call, so every round below is a spec_step (the rounds' own program is one
+    # one round per call, so every round below is the spec_round (the rounds' own program is one
     # shape whatever the composition: test_precompile_covers_every_step_of_a_run)
     llm = LLM(target, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
               num_scheduler_steps=1,
@@ -21,15 +21,15 @@ def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
         llm.generate(prompts, params, use_tqdm=False)
 
     run(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))       # warm up the buckets
-    spec_step = llm.engine.programs.spec_step                  # the engine's own compiled round
-    warm = spec_step._cache_size()
+    spec_round = llm.engine.programs.spec_round                # the engine's own compiled round
+    warm = spec_round._cache_size()
     # other rows' k (max_tokens limits it near the end), opt-outs, sampling modes, stop tokens
     run([SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(4)])
     run([SamplingParams(temperature=1.0, seed=i, top_p=0.9, max_tokens=12, ignore_eos=True,
                         disable_spec_decode=i % 2 == 1) for i in range(4)])
     run([SamplingParams(temperature=0.7, seed=i, max_tokens=10, stop_token_ids=[3], min_tokens=2,
                         presence_penalty=0.5) for i in range(4)])
-    assert spec_step._cache_size() == warm
+    assert spec_round._cache_size() == warm
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
 
 
@@ -41,8 +41,8 @@ def test_precompile_covers_every_step_of_a_run(model_folder):
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert llm.engine.precompile(progress=False) > 0
     p = llm.engine.programs                                    # the engine's own programs
-    model_step, spec_step, decode_rounds = p.model_step, p.spec_step, p.decode_rounds
-    compiled = (model_step._cache_size(), spec_step._cache_size(), decode_rounds._cache_size())
+    programs = (p.plain_round, p.spec_round, p.decode_rounds)
+    compiled = tuple(f._cache_size() for f in programs)
     assert compiled[2] >= 1
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": rng.integers(2, 500, n).tolist()} for n in (3, 30, 11)]
@@ -51,5 +51,5 @@ def test_precompile_covers_every_step_of_a_run(model_folder):
               SamplingParams(temperature=0, max_tokens=12, disable_spec_decode=True)]
     llm.generate(prompts, params, use_tqdm=False)
     llm.generate(prompts[:2], params[:2], use_tqdm=False)      # both fit: several rounds per call
-    assert (model_step._cache_size(), spec_step._cache_size(), decode_rounds._cache_size()) == compiled
+    assert tuple(f._cache_size() for f in programs) == compiled
     assert llm.get_metrics()["host_steps"] < llm.get_metrics()["steps"]   # the rounds ran

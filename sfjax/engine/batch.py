@@ -13,7 +13,7 @@ import numpy as np
 
 from sfjax import sampling
 from sfjax.engine.scheduler import Request, Scheduled
-from sfjax.spec.round import SpecBatch
+from sfjax.round import SpecBatch
 from sfjax.step import StepBatch
 
 
@@ -84,35 +84,21 @@ def pad(values: list[int], n: int, fill: int) -> np.ndarray:
     return out
 
 
-def spec_batch(plan, spec_k, verify_row, draft, stops, n_slots: int, n_draft: int,
+def spec_batch(plan, spec_k, verify_row, draft, n_slots: int, n_draft: int,
                verify_start: int) -> SpecBatch:
     """verify_row: per speculating entry, its first row; draft: the draft rows (tokens,
-    positions, slots, padded to ``n_draft``) and per decode entry its row at L-1; stops: per
-    speculating entry (stop ids, min_left, budget)."""
+    positions, slots, padded to ``n_draft``) and per decode entry its row at L-1."""
     order = sorted(spec_k)
     s = n_slots
-    slots = pad([plan[i].request.slot for i in order], s, -1)
-    width = max([len(stops[i][0]) for i in order] + [1])
-    stop_ids = np.full((s, -(-width // 4) * 4), -1, np.int32)
-    for r, i in enumerate(order):
-        stop_ids[r, :len(stops[i][0])] = stops[i][0]
+    reqs = [plan[i].request for i in order]
     d_tokens, d_pos, d_slots, d_last = draft
     return SpecBatch(
-        slots=slots, length=pad([plan[i].request.num_tokens for i in order], s, 0),
+        slots=pad([r.slot for r in reqs], s, -1), length=pad([r.num_tokens for r in reqs], s, 0),
+        prompt_len=pad([len(r.prompt_token_ids) for r in reqs], s, 0),
         k=pad([spec_k[i] for i in order], s, 0), verify_row=pad([verify_row[i] for i in order], s, 0),
-        stop_ids=stop_ids, min_left=pad([stops[i][1] for i in order], s, 0),
-        budget=pad([stops[i][2] for i in order], s, 0),
         draft_tokens=pad(d_tokens, n_draft, 0), draft_positions=pad(d_pos, n_draft, -1),
         draft_slots=pad(d_slots, n_draft, -1), draft_last=pad([d_last.get(i, 0) for i in order], s, 0),
         verify_start=np.int32(verify_start))
-
-
-def padded(lists: list[list], r: int, fill, dtype) -> np.ndarray:
-    """[r, bucketed width] array of the lists, padded with ``fill``."""
-    out = np.full((r, bucket(max(map(len, lists), default=1), 4)), fill, dtype)
-    for i, x in enumerate(lists):
-        out[i, :len(x)] = x
-    return out
 
 
 class BatchBuilder:
@@ -121,6 +107,7 @@ class BatchBuilder:
     def __init__(self, *, row_tile: int, max_model_len: int, dp: int, block_tables: np.ndarray,
                  eos_token_ids: frozenset[int], shard_of: Callable[[int], int]):
         self.row_tile, self.max_model_len, self.dp = row_tile, max_model_len, dp
+        self.num_slots = block_tables.shape[0]
         self.block_tables = block_tables          # the scheduler's, updated in place
         self.eos_token_ids = eos_token_ids
         self.shard_of = shard_of                  # slot -> data shard
@@ -168,49 +155,31 @@ class BatchBuilder:
             tokens=tokens, positions=positions, slots=slots,
             block_tables=self.block_tables.copy(), logit_rows=pad(all_rows, r, 0),
             num_logit_rows=np.int32(real), with_logprobs=np.bool_(logprobs),
-            sampling=self.sampling_rows(meta, r))
+            draws=self.draws(meta, r), table=self.table([s.request for s in plan]))
         return batch, meta, first
 
-    def sampling_rows(self, meta: list, r: int) -> sampling.SamplingBatch:
-        f32 = lambda v: np.full(r, v, np.float32)
-        i32 = lambda v: np.full(r, v, np.int32)
-        b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
-                 frequency=f32(0), repetition=f32(1), key_data=np.zeros((r, 2), np.uint32),
-                 position=i32(0), slot=i32(0), seq_pos=i32(-1), prompt_len=i32(0), target=i32(-1))
-        draws = [req is not None and pos < 0 for req, pos, _ in meta]
-        suppress = [self.suppressed(req, j) if d else [] for (req, _, j), d in zip(meta, draws)]
-        bias = [sorted(req.params.logit_bias.items()) if d else [] for (req, _, _), d in zip(meta, draws)]
-        allowed = [req.params.allowed_token_ids or [] if d else [] for (req, _, _), d in zip(meta, draws)]
+    def draws(self, meta: list, r: int) -> sampling.Draws:
+        """Which slot and position each logit row draws at (``sampling.rows`` expands them on
+        the device): a draw after the request's newest token (``j`` rows further for a verify
+        row), a prompt-logprobs row at its prompt position, or padding."""
+        d = sampling.Draws.padding(r)
         for i, (req, pos, j) in enumerate(meta):
             if req is None:
                 continue
-            p = req.params
-            b["slot"][i], b["prompt_len"][i] = req.slot, len(req.prompt_token_ids)
-            if pos >= 0:                       # a prompt-logprobs row: nothing is drawn
-                b["seq_pos"][i], b["target"][i] = pos, req.prompt_token_ids[pos + 1]
-                continue
-            b["temperature"][i], b["top_k"][i], b["top_p"][i] = p.temperature, p.top_k, p.top_p
-            b["min_p"][i], b["presence"][i] = p.min_p, p.presence_penalty
-            b["frequency"][i], b["repetition"][i] = p.frequency_penalty, p.repetition_penalty
-            b["key_data"][i] = req.key_data
-            b["position"][i] = len(req.output_token_ids) + j
-            b["seq_pos"][i] = req.num_tokens - 1 + j
-        return sampling.SamplingBatch(
-            **b, suppress=padded(suppress, r, -1, np.int32),
-            bias_ids=padded([[t for t, _ in x] for x in bias], r, -1, np.int32),
-            bias=padded([[max(-100.0, min(100.0, v)) for _, v in x] for x in bias], r, 0, np.float32),
-            allowed=padded(allowed, r, -1, np.int32))
+            d.slot[i], d.prompt_len[i] = req.slot, len(req.prompt_token_ids)
+            if pos >= 0:
+                d.seq_pos[i], d.target[i] = pos, req.prompt_token_ids[pos + 1]
+            else:
+                d.seq_pos[i] = req.num_tokens - 1 + j
+        return d
 
-    def suppressed(self, req: Request, offset: int = 0) -> list[int]:
-        """Stop tokens can't be drawn before min_tokens (vLLM's semantics)."""
-        if len(req.output_token_ids) + offset >= req.params.min_tokens:
-            return []
-        eos = [] if req.params.ignore_eos else sorted(self.eos_token_ids)
-        return eos + list(req.params.stop_token_ids)
+    def table(self, reqs: list[Request]) -> sampling.Sampling:
+        """The sampling settings of ``reqs`` by slot (other slots inert)."""
+        return sampling.Sampling.placed(
+            [r.params for r in reqs], [r.key_data for r in reqs], [r.max_tokens for r in reqs],
+            eos_token_ids=sorted(self.eos_token_ids), rows=[r.slot for r in reqs],
+            num_rows=self.num_slots)
 
-    def stop_rule(self, req: Request) -> tuple[list[int], int, int]:
-        """(stop token ids, index from which they count, tokens left) for the device."""
-        stops = ([] if req.params.ignore_eos else sorted(self.eos_token_ids)) + req.params.stop_token_ids
-        out = len(req.output_token_ids)
-        budget = min(req.max_tokens - out, self.max_model_len - req.num_tokens)
-        return stops, max(0, req.params.min_tokens - out), budget
+    def budget(self, req: Request) -> int:
+        """Tokens the request may still emit (max_tokens, max_model_len)."""
+        return min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)

@@ -7,7 +7,6 @@ import time
 import jax
 import numpy as np
 
-from sfjax.engine import rounds
 from sfjax.engine.batch import bucket, spec_batch
 
 
@@ -55,14 +54,13 @@ def precompile(engine, progress: bool = True) -> float:
             s = engine.config.max_num_seqs
             zeros = np.zeros(s, np.int32)
             engine._run_rounds(engine.block_tables.copy(), zeros, zeros, zeros, np.zeros(s, bool),
-                             rounds.slot_sampling([], s, engine.eos_token_ids), 0)
+                             engine.batches.table([]), 0)
             continue
         k1 = engine.spec.k_max + 1
         tail = [(None, -1, 0)] * r
         batch, _, _ = engine.batches.build([], [], tail, min_rows=n)
         start = r - engine.config.max_num_seqs * k1
-        sb = spec_batch([], {}, {}, ([], [], [], {}), {}, engine.config.max_num_seqs,
-                                    d, start)
+        sb = spec_batch([], {}, {}, ([], [], [], {}), engine.config.max_num_seqs, d, start)
         engine._run_spec(batch, sb)
     jax.block_until_ready(engine.state)
     return time.monotonic() - t0

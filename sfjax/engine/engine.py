@@ -29,6 +29,7 @@ from sfjax.config import ModelConfig
 from sfjax.engine.allocator import BlockAllocator, ShardedAllocator
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
 from sfjax.outputs import RequestOutput, merge_outputs
+from sfjax.run import MATMUL_KERNELS, RunConfig
 from sfjax.sampling_params import SamplingParams
 from sfjax.engine import compile, programs, rounds, speculation
 from sfjax.engine.batch import BatchBuilder, draft_rows, layout, pack, spec_batch
@@ -57,6 +58,7 @@ class EngineConfig:
     sampler: str = "auto"                  # pallas_kernels.sampling.sample impl
     attention: str = "auto"                # pallas_kernels.paged_attention.paged_attention impl
     layer_loop: str = "auto"               # "scan" (stacked) | "unrolled" | "auto": unrolled on CPU
+    matmul: str | None = None              # None: row tiles; a pallas_kernels.matmul kernel impl
     enable_prefix_caching: bool = True     # share full KV blocks across requests by content hash
     num_scheduler_steps: int = 8           # decode rounds per host call when every request decodes
     # CPU, one device: a step whose valid rows fit a tile of 2 or 4 runs in that tile, where it is
@@ -78,6 +80,7 @@ class EngineConfig:
         C.text(f("sampler"), self.sampler)
         C.one_of(f("attention"), self.attention, ATTENTION_IMPLS)
         C.one_of(f("layer_loop"), self.layer_loop, model.LAYER_LOOPS)
+        C.one_of(f("matmul"), self.matmul, MATMUL_KERNELS)
         C.boolean(f("enable_prefix_caching"), self.enable_prefix_caching)
         C.integer(f("num_scheduler_steps"), self.num_scheduler_steps, 1, 1024)
         C.boolean(f("small_row_tiles"), self.small_row_tiles)
@@ -94,7 +97,7 @@ class Engine:
         """``mesh``: a (data, model) ``jax.sharding.Mesh`` (``sharding.make_mesh``) to shard the
         weights, the KV cache and the steps over; None runs on the default device. Over dp data
         shards each holds max_num_seqs / dp slots and num_kv_blocks / dp pages (sfjax.sharding)."""
-        self.cfg = cfg
+        self.cfg, self.tokenizer = cfg, tokenizer
         if mesh is not None:
             mesh = sharding.as_mesh(mesh)
             sharding.validate(cfg, mesh)
@@ -103,19 +106,16 @@ class Engine:
         sharding.validate_slots(config.max_num_seqs, mesh)
         self._split = model.unrolled(config.layer_loop)
         self.weights = sharding.place_weights(weights, cfg, mesh, self._split)
-        tiles = lambda c, w: R.with_certified_tiles(w, c, config.row_tile, mesh=mesh,
-                                                        attention=config.attention,
-                                                        enabled=config.small_row_tiles)
-        self.cfg = cfg = tiles(cfg, self.weights)
-        self.tokenizer = tokenizer
+        tiles = lambda c, w: R.certified_tiles(w, c, config.row_tile, mesh=mesh,
+                                               attention=config.attention,
+                                               enabled=config.small_row_tiles
+                                               and config.matmul is None)
         max_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) must be <= the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
-        per_block = KVCache.bytes_per_block(cfg, config.block_size, mesh=mesh)   # on one device
         blocks_per_seq = -(-max_len // config.block_size)
-        num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else dp * (1 + min(    # each data shard: a null block too
-            config.max_num_seqs // dp * blocks_per_seq, max(1, config.kv_cache_bytes // per_block)))
+        num_blocks, per_block = self._kv_pages(config, blocks_per_seq, mesh)
         self.config = dataclasses.replace(config, max_model_len=max_len, num_kv_blocks=num_blocks)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = (BlockAllocator(num_blocks, prefix_caching=config.enable_prefix_caching)
@@ -132,6 +132,7 @@ class Engine:
         self.registry = Registry()
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
                                 self.registry, mesh, self._split, tiles) if speculative else None)
+        self.run = self._run_config(tiles(cfg, self.weights))
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
         self.requests: dict[str, Request] = {}
         self._held: dict[str, RequestOutput] = {}      # outputs for the next step
@@ -150,6 +151,29 @@ class Engine:
                     "concurrency for %d tokens per request: %.2fx", num_blocks - dp,
                     config.block_size, tokens, num_blocks // dp * per_block / 2**20,
                     f", {dp} data shards" if dp > 1 else "", max_len, tokens / max_len)
+
+    def _kv_pages(self, config: EngineConfig, blocks_per_seq: int, mesh) -> tuple[int, int]:
+        """(KV pages, bytes of a page on one device): ``num_kv_blocks``, else enough for
+        max_num_seqs full sequences within ``kv_cache_bytes`` of pages per device; each data
+        shard has its null block too."""
+        per_block = KVCache.bytes_per_block(self.cfg, config.block_size, mesh=mesh)
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks, per_block
+        return self.dp * (1 + min(config.max_num_seqs // self.dp * blocks_per_seq,
+                                  max(1, config.kv_cache_bytes // per_block))), per_block
+
+    def _run_config(self, small_tiles: tuple[int, ...]) -> RunConfig:
+        """What the engine's programs are specialised on, from its settings (``EngineConfig``'s
+        device fields, the speculator's draft and mesh) and the certified small tiles."""
+        c, spec = self.config, self.spec
+        return RunConfig(
+            model=self.cfg, max_model_len=c.max_model_len, block_size=c.block_size,
+            speculative_config=None if spec is None else dataclasses.replace(
+                spec.config, model=spec.draft_cfg),
+            row_tile=c.row_tile, sampler=c.sampler, attention=c.attention,
+            layer_loop="unrolled" if self._split else "scan", mesh=self.mesh,
+            draft_mesh=None if spec is None else spec.mesh, small_tiles=small_tiles,
+            draft_small_tiles=() if spec is None else spec.small_tiles, matmul=c.matmul)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -294,8 +318,6 @@ class Engine:
         for s in self._plan:
             try:
                 self.batches.build([s])
-                self.batches.stop_rule(s.request)
-                rounds.slot_sampling([s.request], self.config.max_num_seqs, self.eos_token_ids)
             except Exception as e:
                 self._fail(s.request, e)
                 found = True
@@ -369,10 +391,8 @@ class Engine:
             req = s.request
             if not on or not self._is_decode(s):
                 continue
-            length = req.num_tokens
-            budget = min(req.max_tokens - len(req.output_token_ids), self.config.max_model_len - length)
-            k = self.spec.k_for(req, budget)
-            if k > 0 and self.scheduler.grow(req, length + k):
+            k = self.spec.k_for(req, self.batches.budget(req))
+            if k > 0 and self.scheduler.grow(req, req.num_tokens + k):
                 out[i] = k
         return out
 
@@ -396,18 +416,17 @@ class Engine:
                                               self.batches.shards(plan), self.dp, self.config.row_tile,
                                               len(batch.tokens))
             draft, n_draft = (*rows, {i: d_first[i] + 1 for i in decode}), len(rows[0])
-        stops = {i: self.batches.stop_rule(plan[i].request) for i in order}
-        sb = spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, stops,
-                                    n_slots, n_draft, start)
-        drawn, accepted, out, emitted, drafted = jax.device_get(self._run_spec(batch, sb))
+        sb = spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, n_slots, n_draft, start)
+        drawn, v = jax.device_get(self._run_spec(batch, sb))
         for i, s in enumerate(plan):
             if i not in spec_k:
                 self.scheduler.set_computed(s.request, s.start + s.count)
         outputs = []
         for r, i in enumerate(order):
             req = plan[i].request
-            read = lambda: self._read_verified(req, drawn, start + r * k1, out[r], int(emitted[r]),
-                                               int(drafted[r]), int(accepted[r]))
+            read = lambda: self._read_verified(req, drawn, start + r * k1, v.tokens[r],
+                                               int(v.emitted[r]), int(v.drafted[r]),
+                                               int(v.accepted[r]))
             outputs.append(self._guarded(req, read))
         return self._read_rows(meta[:start], drawn, 0) + [o for o in outputs if o is not None]
 
@@ -469,14 +488,14 @@ class Engine:
             prompt_len[req.slot], length[req.slot], live[req.slot] = (
                 len(req.prompt_token_ids), req.num_tokens, True)
             last[req.slot] = req.output_token_ids[-1]
-        sp = rounds.slot_sampling(reqs, n_slots, self.eos_token_ids)
+        sp = self.batches.table(reqs)
         n, tokens, new_len, drafted, accepted = jax.device_get(
             self._run_rounds(self.block_tables.copy(), prompt_len, length, last, live, sp, num_rounds,
                              bool(self.scheduler.waiting)))
         self.stats["steps"] += int(n) - 1                   # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
-            req, self.batches.stop_rule(req)[2]) > 0}
+            req, self.batches.budget(req)) > 0}
         outputs = []
         for req in reqs:
             read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
@@ -518,15 +537,16 @@ class Engine:
 
     def _run_plain(self, batch: StepBatch):
         self._dispatched = True
-        self.state, drawn = self.programs.model_step(self.weights, self.state, batch)
+        self.state, _, drawn, _ = self.programs.plain_round(self.weights, None, self.state, None,
+                                                            batch, None)
         return drawn
 
     def _run_spec(self, batch: StepBatch, sb):
         spec = self.spec
         self._dispatched = True
-        self.state, spec.draft_cache, *out = self.programs.spec_step(
+        self.state, spec.draft_cache, drawn, verified = self.programs.spec_round(
             self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb)
-        return out
+        return drawn, verified
 
     # -- compiling ahead -----------------------------------------------------------------------
 

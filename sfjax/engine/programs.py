@@ -26,7 +26,7 @@ import jax
 
 from sfjax import step
 from sfjax.engine import rounds
-from sfjax.spec.round import spec_step
+from sfjax.round import round_step
 
 PROGRAM_CACHE_SIZE = int(os.environ.get("SFJAX_PROGRAM_CACHE", "16"))
 
@@ -35,9 +35,12 @@ _recent: collections.OrderedDict = collections.OrderedDict()
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The jitted steps of one engine shape; each DONATES the state (and draft cache) it takes."""
-    model_step: Callable        # (weights, state, batch) -> (state, drawn)
-    spec_step: Callable         # (weights, draft_weights, state, draft_cache, batch, spec) -> ...
+    """The jitted programs of one engine shape; each DONATES the state (and draft cache) it
+    takes. ``plain_round`` and ``spec_round`` are the one round (``round.round_step``), plain and
+    specialised on the engine's ``RoundConfig``: (weights, draft_weights, state, draft_cache,
+    batch, spec batch) -> (state, draft_cache, drawn, verified)."""
+    plain_round: Callable
+    spec_round: Callable | None
     decode_rounds: Callable     # rounds.decode_rounds without its static arguments
     write_history: Callable     # (state, slot, row, n) -> state
 
@@ -65,30 +68,26 @@ def _shared(key: tuple, build: Callable[[], Callable]) -> Callable:
 
 def programs_for(engine) -> Programs:
     """The engine's programs, each shared with recent engines that agree on what that program
-    is specialised on, and nothing more (its static arguments, and the shapes and dtypes of the
-    arrays it carries; the batch's shapes are keyed by jit itself): a plain step is shared by
+    is specialised on, and nothing more (its ``RunConfig``, and the shapes and dtypes of the
+    arrays it carries; the batch's shapes are keyed by jit itself): a plain round is shared by
     plain and speculating engines of one model and cache, whatever their host settings."""
-    c, spec = engine.config, engine.spec
-    common = dict(cfg=engine.cfg, row_tile=c.row_tile, sampler=c.sampler, attention=c.attention,
-                  mesh=engine.mesh)
-    target = (tuple(common.values()), _shapes((engine.weights, engine.state)))
+    run, spec = engine.run, engine.spec
+    plain = run.plain()
+    target = _shapes((engine.weights, engine.state))
+    draft = None if spec is None else _shapes((spec.draft_weights, spec.draft_cache))
     progs = dict(
-        model_step=_shared(("model_step",) + target,
-                           lambda: _jit(step.model_step, ("state",), **common)),
+        plain_round=_shared(("round", plain, target),
+                            lambda: _jit(round_step, ("state", "draft_cache"), run=plain)),
         write_history=_shared(("write_history", _shapes(engine.state)),
                               lambda: _jit(step.write_history, ("state",))),
-        spec_step=None)
-    draft = None if spec is None else (spec.draft_cfg, spec.round, spec.mesh,
-                                       _shapes((spec.draft_weights, spec.draft_cache)))
+        spec_round=None)
     if spec is not None:
-        statics = dict(dcfg=spec.draft_cfg, rc=spec.round, draft_mesh=spec.mesh)
-        progs["spec_step"] = _shared(("spec_step",) + target + draft, lambda: _jit(
-            spec_step, ("state", "draft_cache"), **common, **statics))
-    rounds_cfg = rounds.functional_config(engine)
+        progs["spec_round"] = _shared(("round", run, target, draft), lambda: _jit(
+            round_step, ("state", "draft_cache"), run=run))
+    steps = engine.config.num_scheduler_steps
     progs["decode_rounds"] = _shared(
-        ("decode_rounds", rounds_cfg, c.num_scheduler_steps) + target + (draft,),
-        lambda: _jit(rounds.decode_rounds, ("state", "draft_cache"), cfg=rounds_cfg,
-                     max_rounds=c.num_scheduler_steps))
+        ("decode_rounds", run, steps, target, draft),
+        lambda: _jit(rounds.decode_rounds, ("state", "draft_cache"), run=run, max_rounds=steps))
     return Programs(**progs)
 
 

@@ -12,7 +12,6 @@ tokens are the single-step engine's.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -21,30 +20,24 @@ import jax.numpy as jnp
 from sfjax import functional as F
 from sfjax.cache import KVCache
 from sfjax.engine.scheduler import Request
+from sfjax.run import RunConfig
+from sfjax.sampling import Sampling
 from sfjax.step import DeviceState
 
 
 def eligible(req: Request, strategy_slot: int) -> bool:
     """Whether the device alone can run the request's rounds: nothing in its params needs the
-    host between tokens (stop strings, logprobs, logit_bias, allowed ids), and its strategy is the
-    engine's own (a per-request opt-out decodes one step at a time)."""
+    host between tokens (stop strings, logprobs), and its strategy is the engine's own (a
+    per-request opt-out decodes one step at a time)."""
     p = req.params
-    return (not p.stop and p.logprobs is None and not p.logit_bias and not p.allowed_token_ids
-            and req.strategy_slot == strategy_slot)
+    return not p.stop and p.logprobs is None and req.strategy_slot == strategy_slot
 
 
-def slot_sampling(reqs: list[Request], n_slots: int, eos: frozenset[int]) -> F.Sampling:
-    """``functional.Sampling`` by slot (rows of other slots are inert: they are done)."""
-    return F.Sampling.placed([r.params for r in reqs], [r.key_data for r in reqs],
-                             [r.max_tokens for r in reqs], eos_token_ids=sorted(eos),
-                             rows=[r.slot for r in reqs], num_rows=n_slots)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "max_rounds"),
+@functools.partial(jax.jit, static_argnames=("run", "max_rounds"),
                    donate_argnames=("state", "draft_cache"))
 def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
-                  block_tables, prompt_len, length, last, live, sampling: F.Sampling, num_rounds,
-                  until_one_ends, *, cfg: F.Config, max_rounds: int):
+                  block_tables, prompt_len, length, last, live, sampling: Sampling, num_rounds,
+                  until_one_ends, *, run: RunConfig, max_rounds: int):
     """Up to ``num_rounds`` rounds for the ``live`` slots. DONATES ``state`` and ``draft_cache``.
 
     ``until_one_ends``: return once any request ends (others wait for its slot).
@@ -61,25 +54,10 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
                  block_tables=block_tables, prompt_len=prompt_len, length=length, done=~live,
                  sampling=sampling, num_drafts=zeros, num_draft_tokens=zeros,
                  num_accepted_tokens=zeros)
-    st, n, drafted, accepted = F.run_rounds(weights, draft_weights, st, cfg, num_rounds, max_rounds,
+    st, n, drafted, accepted = F.run_rounds(weights, draft_weights, st, run, num_rounds, max_rounds,
                                               until_one_ends)
-    spec = cfg.speculative_config
-    width = max_rounds * (spec.num_speculative_tokens + 1 if spec else 1)
+    width = max_rounds * (run.k_max + 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
     return (DeviceState(cache=st.cache, history=st.history), st.draft_cache, n, tokens, st.length,
             drafted, accepted)
-
-
-def functional_config(engine) -> F.Config:
-    """The engine's settings as a ``functional.Config`` (its weights are already split where
-    the engine splits them, so the layer loop is fixed)."""
-    c, spec = engine.config, engine.spec
-    sc = None
-    if spec is not None:
-        sc = spec.config
-        sc = dataclasses.replace(sc, model=spec.draft_cfg if spec.draft_cfg is not None else None)
-    return F.Config(model=engine.cfg, max_model_len=c.max_model_len, speculative_config=sc,
-                    block_size=c.block_size, row_tile=c.row_tile, sampler=c.sampler,
-                    layer_loop="unrolled" if engine._split else "scan", attention=c.attention,
-                    mesh=engine.mesh, draft_mesh=spec.mesh if spec is not None else None)

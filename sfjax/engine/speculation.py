@@ -15,7 +15,6 @@ from sfjax.engine.scheduler import Request
 from sfjax.spec import table
 from sfjax.spec.config import SpeculativeConfig, drafts_for
 from sfjax.spec.registry import Registry, Strategy
-from sfjax.spec.round import RoundConfig
 from sfjax.weights import Weights
 
 
@@ -61,18 +60,18 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, cfg: ModelConfig, max_model_len: int,
                  num_blocks: int, block_size: int, draft: tuple[ModelConfig, Weights] | None = None,
                  registry: Registry | None = None, mesh=None, split: bool = False, tiles=None):
-        """``tiles``: (cfg, placed weights) -> cfg with its certified small row tiles (the
-        engine's ``rows.with_certified_tiles``), for the draft."""
+        """``tiles``: (cfg, placed weights) -> the model's certified small row tiles (the
+        engine's ``rows.certified_tiles``), for the draft."""
         self.config = config
         self.k_max = config.num_speculative_tokens
         self.draft_cfg, self.draft_weights = draft if draft else (None, None)
         config.check_draft(cfg, max_model_len, self.draft_cfg)
         self.max_model_len = config.draft_limit(max_model_len, self.draft_cfg)
-        self.round = RoundConfig.of(config)
         self.registry = registry or Registry()
         self.slot = self.registry.register(Strategy(config.method, config.acceptance_method))
         self.certificate = self.registry.slots[self.slot]
         self.mesh = None
+        self.small_tiles: tuple[int, ...] = ()      # the draft's certified small row tiles
         if self.draft_cfg is not None and mesh is not None:
             self.mesh = sharding.draft_mesh(mesh, config.draft_tensor_parallel_size
                                             or sharding.tp_of(mesh))
@@ -81,7 +80,7 @@ class Speculator:
             self.draft_weights = sharding.place_weights(self.draft_weights, self.draft_cfg, self.mesh,
                                                      split)
             if tiles is not None and self.mesh is None:
-                self.draft_cfg = tiles(self.draft_cfg, self.draft_weights)
+                self.small_tiles = tiles(self.draft_cfg, self.draft_weights)
         if config.prompt_lookup_table is not None:      # the n-gram table rides as "draft weights"
             t = table.load(config.prompt_lookup_table, cfg.vocab_size)
             self.draft_weights = t if mesh is None else sharding.put(

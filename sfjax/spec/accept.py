@@ -5,7 +5,7 @@ Each rule returns ``(accepted [S], tokens [S, K + 1])``: the row emits ``tokens[
 positions; the rest are masked.
 
 The rules as a round uses them are frozen dataclasses with one method, ``accept(ctx, drafts, k,
-logq, logits, drawn)`` (``ctx``: the round's ``spec.round.Context``), returning (accepted,
+logq, logits, drawn)`` (``ctx``: the round's ``round.Context``), returning (accepted,
 tokens, the step's ``Drawn`` with the emitted tokens' logprobs), each with the exactness class it
 holds per sampling mode (``modes``: the registry's certificates) and whether it compares the
 draft's distribution with the target's (``compares_distributions``: the draft then draws with
@@ -98,6 +98,16 @@ def rejection(drafts, logp, logq, uniforms, residual_noise, bonus, k):
     return accepted, _with_correction(drafts, accepted, correction)
 
 
+def left(table, slots, length, prompt_len, max_model_len: int):
+    """Each slot's request's stop rule at sequence length ``length``: (stop ids [S, B], the
+    index of the next emitted tokens from which they count (min_tokens), tokens it may still
+    emit (max_tokens, max_model_len)). ``table``: the ``sampling.Sampling`` by slot."""
+    s = jax.tree.map(lambda x: x[jnp.maximum(slots, 0)], table)
+    out = length - prompt_len
+    return (s.stop_ids, jnp.maximum(s.min_tokens - out, 0),
+            jnp.minimum(s.max_tokens - out, max_model_len - length))
+
+
 def truncate_at_stops(tokens, accepted, stop_ids, min_left, budget):
     """How many of ``tokens[:, :accepted + 1]`` are emitted: up to and including the first stop
     token allowed at its index (index >= min_left), and at most ``budget``.
@@ -108,6 +118,16 @@ def truncate_at_stops(tokens, accepted, stop_ids, min_left, budget):
     is_stop = jnp.any(tokens[..., None] == jnp.where(stop_ids >= 0, stop_ids, -2)[:, None, :], axis=2)
     stop_at = jnp.min(jnp.where(is_stop & (j >= min_left[:, None]), j, tokens.shape[1]), axis=1)
     return jnp.minimum(jnp.minimum(accepted + 1, stop_at + 1), budget).astype(jnp.int32)
+
+
+def ends(tokens, emitted, stop_ids, min_left, budget):
+    """Whether emitting ``tokens[:, :emitted]`` ends each row's request (the arguments as
+    ``truncate_at_stops``'): its last token is a stop token at an index >= min_left, or the
+    row used its budget."""
+    last = emitted - 1
+    token = jnp.take_along_axis(tokens, jnp.maximum(last, 0)[:, None], axis=1)[:, 0]
+    stopped = jnp.any(token[:, None] == jnp.where(stop_ids >= 0, stop_ids, -2), axis=1)
+    return (stopped & (last >= min_left) & (emitted > 0)) | (emitted >= budget)
 
 
 # -- the rules as a round calls them ---------------------------------------------------------
@@ -121,8 +141,8 @@ def _target_rows(ctx, x):
 
 def _target_log_probs(ctx, logits):
     b = ctx.batch
-    return _target_rows(ctx, sampling.log_probs(logits, b.sampling, ctx.history, b.num_logit_rows,
-                                                ctx.row_tile))
+    return _target_rows(ctx, sampling.log_probs(logits, ctx.sampling, ctx.history, b.num_logit_rows,
+                                                ctx.run.row_tile))
 
 
 def _report_emitted(ctx, logits, drawn, out):
@@ -160,12 +180,12 @@ class Rejection:
     def accept(self, ctx, drafts, k, logq, logits, drawn):
         s, k_max = drafts.shape
         vrows = jax.tree.map(lambda x: x[ctx.spec.verify_start + jnp.arange(s) * (k_max + 1)],
-                             ctx.batch.sampling)                              # verify row j = 0
+                             ctx.sampling)                              # verify row j = 0
         pos = (vrows.position[:, None] + jnp.arange(k_max)[None, :]).reshape(-1)   # [S * K]
         keys = jnp.repeat(vrows.key_data, k_max, axis=0)
         u = jax.vmap(lambda kd, t: jax.random.uniform(
             sampling.draw_keys(kd[None], t[None], sampling.ROLE_ACCEPT)[0]))(keys, pos)
-        g = sampling.noise_bits(keys, pos, ctx.cfg.vocab_size, sampling.ROLE_RESIDUAL)
+        g = sampling.noise_bits(keys, pos, ctx.run.model.vocab_size, sampling.ROLE_RESIDUAL)
         noise = gumbel_from_bits(g).reshape(s, k_max, -1)
         accepted, out = rejection(drafts, _target_log_probs(ctx, logits), logq, u.reshape(s, k_max),
                                   noise, _target_rows(ctx, drawn.tokens), k)
@@ -184,7 +204,7 @@ class Typical:
 
     def accept(self, ctx, drafts, k, logq, logits, drawn):
         s = drafts.shape[0]
-        greedy = ctx.batch.sampling.temperature[ctx.spec.verify_start
+        greedy = ctx.sampling.temperature[ctx.spec.verify_start
                                                 + jnp.arange(s) * (ctx.k_max + 1)] == 0
         accepted, out = typical(drafts, _target_rows(ctx, drawn.tokens),
                                 _target_log_probs(ctx, logits), k, greedy, self.threshold,

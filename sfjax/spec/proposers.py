@@ -3,7 +3,7 @@ draft table as its fallback (``sfjax.spec.table``), and a draft model run by ``l
 own paged cache on the target's block tables.
 
 A proposer is a frozen dataclass with one method, ``propose(ctx, draft_weights, draft_cache)``
-(``ctx``: the round's ``spec.round.Context``), returning (drafts int32 [S, K], how many of each
+(``ctx``: the round's ``round.Context``), returning (drafts int32 [S, K], how many of each
 row's drafts stand int32 [S], the draft's log-probabilities [S, K, V] where the acceptance rule
 compares distributions else None, the draft cache).
 
@@ -78,7 +78,7 @@ class Ngram:
                                   self.n_max, table=draft_weights)
         logq = None
         if ctx.compares_distributions:        # a proposal is a point mass
-            logq = jnp.where(jax.nn.one_hot(drafts, ctx.cfg.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
+            logq = jnp.where(jax.nn.one_hot(drafts, ctx.run.model.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
         return drafts, jnp.minimum(spec.k, available), logq, draft_cache
 
 
@@ -88,7 +88,7 @@ def _rows(b: sampling.SamplingBatch, idx):
 
 @dataclasses.dataclass(frozen=True)
 class DraftModel:
-    """A smaller Llama's k_max draws per slot (``ctx.dcfg``; its weights and cache are the
+    """A smaller Llama's k_max draws per slot (``ctx.run.draft``; its weights and cache are the
     round's draft arguments), with the target's keys (coupled: the exact rule) or its own
     (``ctx.compares_distributions``: rejection sampling needs independent drafts)."""
     k_max: int
@@ -100,9 +100,9 @@ class DraftModel:
 
 def _draft_model(dw, dcache, ctx, k_max: int):
     """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
-    batch, spec, history, dcfg, row_tile, sampler = (ctx.batch, ctx.spec, ctx.history, ctx.dcfg,
-                                                     ctx.row_tile, ctx.sampler)
-    attention, mesh, independent = ctx.attention, ctx.draft_mesh, ctx.compares_distributions
+    batch, spec, history, run = ctx.batch, ctx.spec, ctx.history, ctx.run
+    dcfg, row_tile, sampler, tiles = run.draft, run.row_tile, run.sampler, run.draft_small_tiles
+    attention, mesh, independent = run.attention, run.draft_mesh, ctx.compares_distributions
     role = sampling.ROLE_DRAFT if independent else sampling.ROLE_TARGET
     s = spec.slots.shape[0]
     sd = -(-s // row_tile) * row_tile                 # slot rows padded to whole tiles
@@ -110,7 +110,8 @@ def _draft_model(dw, dcache, ctx, k_max: int):
     slots, length, k = grow(spec.slots, -1), grow(spec.length, 0), grow(spec.k, 0)
     live = slots >= 0
     h, dcache = model.forward(dw, dcache, spec.draft_tokens, spec.draft_positions, spec.draft_slots,
-                              batch.block_tables, dcfg, row_tile, attention=attention, mesh=mesh)
+                              batch.block_tables, dcfg, row_tile, small_tiles=tiles,
+                              matmul=run.matmul, attention=attention, mesh=mesh)
     spread, gather = lambda x, fill: x, lambda h: h       # one row per slot, in slot order
     if sharding.dp_of(mesh) > 1:                           # ... or by data shard
         first, n = sharding.slot_rows(slots, live, batch.block_tables.shape[0], mesh, 1, row_tile)
@@ -120,8 +121,9 @@ def _draft_model(dw, dcache, ctx, k_max: int):
     def one(h_rows, j, history):
         """Draft j of every slot, and ``history`` with it at position L + j: the next draft's
         penalties see it, as plain decoding's draw at that position sees the token before it."""
-        lg = replicated(model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live), mesh=mesh), mesh)
-        b = _rows(batch.sampling, spec.verify_start + grow(jnp.arange(s) * (k_max + 1) + j, 0))
+        lg = replicated(model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live), small_tiles=tiles,
+                                     matmul=run.matmul, mesh=mesh), mesh)
+        b = _rows(ctx.sampling, spec.verify_start + grow(jnp.arange(s) * (k_max + 1) + j, 0))
         n = jnp.sum(live)                                # live slots come first
         d = sampling.draw(lg, b, history, n, row_tile, False, sampler, role).tokens
         logq = (sampling.log_probs(lg, b, history, n, row_tile)
@@ -136,7 +138,8 @@ def _draft_model(dw, dcache, ctx, k_max: int):
         pos = jnp.where(live & (j < k), length - 1 + j, -1)
         h, dcache = model.forward(dw, dcache, spread(d_prev, 0), spread(pos, -1),
                                   spread(jnp.where(pos >= 0, slots, -1), -1), batch.block_tables,
-                                  dcfg, row_tile, attention=attention, mesh=mesh)
+                                  dcfg, row_tile, small_tiles=tiles, matmul=run.matmul,
+                                  attention=attention, mesh=mesh)
         d, logq, history = one(gather(h), j, history)
         return (d, dcache, history), (d, logq)
 

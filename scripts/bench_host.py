@@ -1,0 +1,101 @@
+"""Host time per engine call against device time per round, on the demo model.
+
+Run:
+    cd /work/main && . .venv/bin/activate && python scripts/bench_host.py
+    python scripts/bench_host.py [--batch-sizes 1,32] [--max-tokens 64] [--steps 1,8] [--repeats 3]
+
+Per (batch size B, method plain | ngram, num_scheduler_steps), B prompts of 48 random token ids
+(fixed seed) generate exactly --max-tokens tokens each, half greedy and half seeded T = 0.8 with
+top-p and a presence penalty (so the per-request sampling settings are real work). A warm-up
+run compiles; the timed run wraps the engine's compiled programs so each call blocks until its
+outputs are ready, and splits every ``Engine.step`` into
+  * device: the time inside the engine's programs (one round, or several per call);
+  * host: the rest of the call (scheduling, building the batch, reading tokens back, outputs).
+Reported: calls, rounds, ms per call, host ms per call and its share of the call, device ms
+per round; the best of --repeats runs (by total wall). Host and device times are summed over
+the run's calls, prefill included. The CPU's two cores are shared by host and device work, so
+this is a single-process measurement, not a throughput figure (``scripts/bench.py`` gives
+those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import numpy as np
+
+
+def run(llm, prompts, params, repeats: int) -> dict:
+    import jax
+
+    eng = llm.engine
+    spent = {"device": 0.0}
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            spent["device"] += time.perf_counter() - t
+            return out
+        return call
+
+    progs = eng.programs
+    eng.programs = dataclasses.replace(progs, **{
+        f.name: timed(getattr(progs, f.name)) for f in dataclasses.fields(progs)
+        if callable(getattr(progs, f.name))})
+    llm.generate(prompts, params, use_tqdm=False)                 # warm-up: compiles
+    best = None
+    for _ in range(repeats):
+        spent["device"] = 0.0
+        m0 = llm.get_metrics()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        m1 = llm.get_metrics()
+        calls, rounds = m1["host_steps"] - m0["host_steps"], m1["steps"] - m0["steps"]
+        r = dict(wall=wall, calls=calls, rounds=rounds, device=spent["device"],
+                 host=wall - spent["device"])
+        if best is None or wall < best["wall"]:
+            best = r
+    eng.programs = progs
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--steps", default="1,8", help="num_scheduler_steps values")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    from sfjax import LLM, SamplingParams
+    from sfjax.default_model import default_model_path, default_speculative_config
+
+    rng = np.random.default_rng(0)
+    print(f"{'B':>3} {'method':>6} {'steps':>5} {'calls':>6} {'rounds':>6} {'ms/call':>8} "
+          f"{'host ms/call':>12} {'host %':>7} {'device ms/round':>15}")
+    for b in map(int, args.batch_sizes.split(",")):
+        prompts = [{"prompt_token_ids": rng.integers(3, 2000, 48).tolist()} for _ in range(b)]
+        params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+                  if i % 2 == 0 else
+                  SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.3, seed=i,
+                                 max_tokens=args.max_tokens, ignore_eos=True)
+                  for i in range(b)]
+        for method in ("plain", "ngram"):
+            for steps in map(int, args.steps.split(",")):
+                spec = default_speculative_config("ngram") if method == "ngram" else None
+                llm = LLM(default_model_path(), max_num_seqs=max(b, 4), max_model_len=256,
+                          num_scheduler_steps=steps, speculative_config=spec)
+                r = run(llm, prompts, params, args.repeats)
+                print(f"{b:>3} {method:>6} {steps:>5} {r['calls']:>6} {r['rounds']:>6} "
+                      f"{1e3 * r['wall'] / r['calls']:>8.2f} {1e3 * r['host'] / r['calls']:>12.2f} "
+                      f"{100 * r['host'] / r['wall']:>6.1f}% "
+                      f"{1e3 * r['device'] / r['rounds']:>15.2f}", flush=True)
+                del llm
+
+
+if __name__ == "__main__":
+    main()

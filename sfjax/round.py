@@ -1,0 +1,146 @@
+"""One round as one jitted, static-shaped function, for every path: plain decoding is k = 0,
+speculation draft -> verify -> accept -> rollback with k >= 1, and prefill chunks are rows of
+the same ragged batch.
+
+Rows of the step: prefill chunks (and rows that don't speculate) as in a plain step, plus for each
+speculating slot K + 1 verify rows ``[last token, d_1 .. d_K]`` at positions ``L-1 .. L-1+K``. The
+host (the engine) or the device (``sfjax.functional``) lays the verify rows out with their
+positions; the round fills in the drafts and turns the rows past a slot's own k into padding.
+Rollback is a length: the caller moves its length by what was emitted, and K/V written past it is
+dead (never attended, overwritten later).
+
+``round_step`` is specialised on a ``RoundConfig``, or None for plain decoding: its proposer
+(``spec.proposers``: ``Ngram``, ``DraftModel``) and its acceptance rule (``spec.accept``:
+``Exact``, ``Rejection``, ``Typical``), frozen dataclasses with one method each; the round calls
+them and never names a method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sfjax import model, sampling
+from sfjax.spec import accept, proposers
+from sfjax.step import DeviceState, StepBatch, keep_cache_sharding, record_tokens, replicated
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecBatch:
+    """The speculating slots of a step (S padded to a bucket; padding slot -1)."""
+    slots: jax.Array          # int32 [S]
+    length: jax.Array         # int32 [S] sequence length L (last token at L-1)
+    prompt_len: jax.Array     # int32 [S]
+    k: jax.Array              # int32 [S] drafts wanted this round (0: verify only the last token)
+    verify_row: jax.Array     # int32 [S] row of N holding position L-1; K drafts follow it
+    draft_tokens: jax.Array   # int32 [NA] draft model rows: prefill rows + (L-2, L-1) per slot
+    draft_positions: jax.Array
+    draft_slots: jax.Array
+    draft_last: jax.Array     # int32 [S] row of NA holding position L-1
+    verify_start: jax.Array   # int32 scalar: the first verify logit row (they come last)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class RoundConfig:
+    """What a round is specialised on: its proposer and its acceptance rule."""
+    proposer: Any             # proposers.Ngram | proposers.DraftModel
+    rule: Any                 # accept.Exact | accept.Rejection | accept.Typical
+
+    @property
+    def k_max(self) -> int:
+        return self.proposer.k_max
+
+    @classmethod
+    def of(cls, spec) -> "RoundConfig":
+        """The round of a ``SpeculativeConfig``."""
+        k = spec.num_speculative_tokens
+        proposer = (proposers.Ngram(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                    if spec.method == "ngram" else proposers.DraftModel(k))
+        rule = accept.RULES[spec.acceptance_method]
+        rule = (rule(spec.posterior_threshold, spec.posterior_alpha) if rule is accept.Typical
+                else rule())
+        return cls(proposer, rule)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a round's proposer and rule read: this round's batch, its speculating slots, the
+    token history, and the settings the step is specialised on."""
+    batch: StepBatch
+    spec: SpecBatch
+    sampling: sampling.SamplingBatch   # the logit rows' (``sampling.rows`` of the batch's draws)
+    history: jax.Array
+    k_max: int
+    compares_distributions: bool   # the rule compares the draft's distribution (rejection)
+    run: Any                       # the ``run.RunConfig``
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Verified:
+    """What a speculative round gives per speculating slot [S] (padding slots: zeros)."""
+    accepted: jax.Array       # int32 drafts accepted
+    tokens: jax.Array         # int32 [S, K + 1] accepted drafts, then the target's token
+    emitted: jax.Array        # int32 how many of ``tokens`` are emitted (stop tokens, budget)
+    drafted: jax.Array        # int32 drafts proposed (the slot's k this round)
+
+
+@functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("state", "draft_cache"))
+def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: StepBatch,
+               spec: SpecBatch | None, *, run):
+    """One round for every slot: the batch's rows through the model (their K/V written, their
+    tokens recorded in the history), logits at its logit rows, each drawn with its slot's
+    settings (``sampling.rows``); with a ``RoundConfig`` (and a ``SpecBatch``), the speculating
+    slots' drafts proposed into their verify rows first, and accepted after. DONATES ``state``
+    and ``draft_cache``. ``run``: the ``run.RunConfig`` (its ``round``, None without
+    speculation). ``draft_weights``: the draft model's, or for ``ngram`` its n-gram draft table
+    (``sfjax.spec.table``) or None. On the run's ``mesh`` the models run under ``shard_map`` (the
+    draft on ``draft_mesh``: the same devices, maybe a smaller tensor-parallel size) and
+    everything else on whole arrays.
+
+    Logit rows: the prefill completions and prompt logprobs, then from ``spec.verify_start`` the
+    S * (K + 1) verify rows, slot-major, live slots first. Returns (state, draft_cache, drawn [R],
+    ``Verified``, or None for plain decoding).
+    """
+    cfg, rc, row_tile, mesh = run.model, run.round, run.row_tile, run.mesh
+    history = replicated(record_tokens(state.history, batch.slots, batch.positions, batch.tokens), mesh)
+    draws = sampling.rows(batch.table, batch.draws)
+    tokens, positions, slots = batch.tokens, batch.positions, batch.slots
+    if rc is not None:
+        k1 = rc.k_max + 1
+        live = spec.slots >= 0
+        ctx = Context(batch, spec, draws, history, rc.k_max, rc.rule.compares_distributions, run)
+        drafts, k, logq, draft_cache = rc.proposer.propose(ctx, draft_weights, draft_cache)
+        k = jnp.where(live, k, 0)
+        # fill the verify rows: drafts past a slot's k become padding
+        j = jnp.arange(1, k1)[None, :]
+        keep = live[:, None] & (j <= k[:, None])
+        rows = jnp.where(live[:, None], spec.verify_row[:, None] + j, tokens.shape[0])   # [S, K]
+        tokens = tokens.at[rows].set(drafts, mode="drop")
+        positions = positions.at[rows].set(jnp.where(keep, spec.length[:, None] - 1 + j, -1), mode="drop")
+        slots = slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop")
+        history = replicated(record_tokens(history, slots, positions, tokens), mesh)
+    hidden, cache = model.forward(weights, state.cache, tokens, positions, slots,
+                                  batch.block_tables, cfg, row_tile, small_tiles=run.small_tiles,
+                                  matmul=run.matmul, attention=run.attention, mesh=mesh)
+    logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, row_tile,
+                                     batch.num_logit_rows, small_tiles=run.small_tiles,
+                                     matmul=run.matmul, mesh=mesh), mesh)
+    drawn = sampling.draw(logits, draws, history, batch.num_logit_rows, row_tile,
+                          batch.with_logprobs, run.sampler)
+    state = DeviceState(cache=keep_cache_sharding(cache, cfg, mesh), history=history)
+    if rc is None:
+        return state, draft_cache, replicated(drawn, mesh), None
+    accepted, out, drawn = rc.rule.accept(dataclasses.replace(ctx, history=history), drafts, k,
+                                          logq, logits, drawn)
+    emitted = accept.truncate_at_stops(out, accepted, *accept.left(
+        batch.table, spec.slots, spec.length, spec.prompt_len, history.shape[1]))
+    verified = Verified(accepted=jnp.where(live, accepted, 0), tokens=out,
+                        emitted=jnp.where(live, emitted, 0), drafted=k)
+    return state, draft_cache, *replicated((drawn, verified), mesh)

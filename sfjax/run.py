@@ -1,0 +1,127 @@
+"""``RunConfig``: everything a compiled round is specialised on, in one static, hashable value,
+validated once.
+
+The engine builds one from its settings and the model (``Engine.run``); ``sfjax.functional``
+users build one as ``functional.Config``. The round (``round.round_step``), the engine's several
+rounds per call and ``sfjax.functional`` all take it; ``ModelConfig`` keeps only what config.json
+means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from pallas_kernels.paged_attention import IMPLS as ATTENTION_IMPLS
+from pallas_kernels.matmul import KERNELS
+from sfjax import checks as C
+from sfjax import model
+from sfjax.cache import validate_block_size
+from sfjax.config import ModelConfig
+from sfjax.round import RoundConfig
+from sfjax.spec.config import SpeculativeConfig
+
+
+MATMUL_KERNELS = (None, *KERNELS)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Static settings of a generation program (hashable; a pytree with no leaves, so it can be
+    passed to a jitted function as is).
+
+    model: the target's ``ModelConfig``.
+    max_model_len: prompt + output tokens per row (the KV cache and token history hold this many).
+    speculative_config: None (plain decoding) or ``LLM``'s dict / ``SpeculativeConfig``; for
+        ``draft_model`` its "model" is the draft's ``ModelConfig`` (or an HF folder to read one
+        from), and the draft weights are an argument of the calls.
+    block_size, row_tile, sampler, layer_loop, attention: as ``LLM``'s; tokens equal the
+        engine's for the same ``row_tile`` and ``attention``.
+    mesh, draft_mesh: a (data, model) mesh the target (and the draft; default: the target's
+        mesh) run on, under ``shard_map`` with the caches placed by ``sfjax.sharding`` (the
+        engine's several rounds per call set them). Over dp > 1 data shards the batch B must be
+        divisible by dp: row b is slot b, in data shard b // (B / dp), with its pages there.
+    small_tiles, draft_small_tiles: row tiles below ``row_tile`` certified on this backend to
+        give ``row_tile``'s bits for the target and the draft (``rows.certified_tiles``; the
+        engine sets them on one CPU device); () runs ``row_tile`` tiles only.
+    matmul: None runs every matmul in row tiles of ``row_tile`` (XLA dots); a
+        ``pallas_kernels.matmul`` impl ("interpret", "triton", "mosaic_tpu") runs each as one
+        batch-invariant Pallas launch over all of a call's rows (the small tiles are then unused).
+        Tokens are the same for either within one choice, not across the two.
+    """
+    model: ModelConfig
+    max_model_len: int
+    speculative_config: SpeculativeConfig | None = None
+    block_size: int = 16
+    row_tile: int = 8
+    sampler: str = "auto"
+    layer_loop: str = "auto"
+    attention: str = "auto"
+    mesh: Any = None
+    draft_mesh: Any = None
+    small_tiles: tuple[int, ...] = ()
+    draft_small_tiles: tuple[int, ...] = ()
+    matmul: str | None = None
+
+    def __post_init__(self):
+        f = lambda name: f"RunConfig.{name}"
+        if not isinstance(self.model, ModelConfig):
+            raise C.InvalidType(f"{f('model')}: must be a ModelConfig, got {type(self.model).__name__}")
+        if self.mesh is not None and self.draft_mesh is None:
+            object.__setattr__(self, "draft_mesh", self.mesh)
+        spec = self.speculative_config
+        if spec is not None:
+            spec = SpeculativeConfig.from_dict(spec)
+            if isinstance(spec.model, str):
+                spec = dataclasses.replace(spec, model=ModelConfig.from_folder(spec.model))
+            spec.check_draft(self.model, self.max_model_len,
+                             spec.model if isinstance(spec.model, ModelConfig) else None)
+            object.__setattr__(self, "speculative_config", spec)
+        C.integer(f("max_model_len"), self.max_model_len, 2, self.model.max_position_embeddings,
+                  allowed=f"an int in [2, the model's max_position_embeddings "
+                          f"({self.model.max_position_embeddings})]")
+        C.integer(f("block_size"), self.block_size, 1)
+        validate_block_size(self.block_size)
+        C.integer(f("row_tile"), self.row_tile, 1)
+        C.text(f("sampler"), self.sampler)
+        C.one_of(f("layer_loop"), self.layer_loop, model.LAYER_LOOPS)
+        C.one_of(f("attention"), self.attention, ATTENTION_IMPLS)
+        C.one_of(f("matmul"), self.matmul, MATMUL_KERNELS)
+        for name in ("small_tiles", "draft_small_tiles"):
+            tiles = getattr(self, name)
+            if not all(isinstance(t, int) and 0 < t < self.row_tile and self.row_tile % t == 0
+                       for t in tiles):
+                raise ValueError(f"{f(name)} = {tiles!r} is out of range: must be tiles below "
+                                 f"row_tile ({self.row_tile}) that divide it")
+            object.__setattr__(self, name, tuple(sorted(set(tiles))))
+
+    @property
+    def draft(self) -> ModelConfig | None:
+        """The draft model's config (``draft_model`` only)."""
+        spec = self.speculative_config
+        return spec.model if spec is not None and spec.method == "draft_model" else None
+
+    @property
+    def round(self) -> RoundConfig | None:
+        """The speculative round's proposer and rule; None for plain decoding."""
+        spec = self.speculative_config
+        return None if spec is None else RoundConfig.of(spec)
+
+    @property
+    def k_max(self) -> int:
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
+
+    @property
+    def unrolled(self) -> bool:
+        """Whether the layers run unrolled over weights split by layer (``model.unrolled``)."""
+        return model.unrolled(self.layer_loop)
+
+    def plain(self) -> "RunConfig":
+        """The same run without speculation: what a plain round is specialised on (shared by
+        plain and speculating engines of one model)."""
+        return dataclasses.replace(self, speculative_config=None, draft_mesh=None,
+                                   draft_small_tiles=())

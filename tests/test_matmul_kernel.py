@@ -1,0 +1,141 @@
+"""The batch-invariant Pallas matmul (``pallas_kernels.matmul``): equal to the jnp product in
+interpret mode, a row's bits the same at every position of calls of any M, padding row blocks
+skipped, and lowerable for GPU (Triton) and TPU (Mosaic) on a CPU machine with no matmul left
+to XLA."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+from pallas_kernels import matmul as MM
+
+K, U, W = 64, 8, 24          # the tiny model's q projection: 64 -> 8 blocks of 24
+ROWS = (1, 8, 16, 64, 128, 160, 512)
+
+
+def _weights(rng, dtype, k=K, u=U, w=W):
+    return jnp.asarray(rng.standard_normal((u, k, w)), jnp.float32).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_equals_the_product(dtype):
+    rng = np.random.default_rng(0)
+    w = _weights(rng, dtype)
+    for m in (1, 13, 160):
+        x = jnp.asarray(rng.standard_normal((m, K)), jnp.float32).astype(dtype)
+        ref = np.asarray(MM.matmul_reference(x, w, jnp.float32))
+        got = np.asarray(MM.matmul_kernel(x, w, out_dtype=jnp.float32, interpret=True))
+        assert got.shape == (m, U * W)
+        # f32: to 1e-6 of the output's scale; bf16 inputs are exact in f32, so the same holds
+        assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()
+        rounded = np.asarray(MM.matmul_kernel(x, w, interpret=True)).astype(np.float32)
+        np.testing.assert_allclose(rounded, ref, rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6,
+                                   atol=1e-2 * np.abs(ref).max() if dtype == jnp.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_rows_bits_do_not_depend_on_the_call(dtype):
+    """A probe row at the first, a middle and the last position of calls with M in ROWS rows of
+    other values: the same bytes every time (a plain ``x @ w`` on XLA:CPU is not so: M = 1 and
+    M = 8 differ)."""
+    rng = np.random.default_rng(1)
+    w = _weights(rng, dtype)
+    probe = jnp.asarray(rng.standard_normal(K), jnp.float32).astype(dtype)
+    first = None
+    for m in ROWS:
+        for at in sorted({0, m // 2, m - 1}):
+            x = jnp.asarray(rng.standard_normal((m, K)), jnp.float32).astype(dtype).at[at].set(probe)
+            row = np.asarray(MM.matmul_kernel(x, w, interpret=True))[at]
+            first = row if first is None else first
+            assert row.tobytes() == first.tobytes(), (m, at)
+    plain = [np.asarray(jnp.asarray(rng.standard_normal((m, K)), jnp.float32).at[0].set(
+        probe.astype(jnp.float32)) @ w[0].astype(jnp.float32))[0] for m in (1, 8, 16, 64, 512)]
+    assert any(p.tobytes() != plain[0].tobytes() for p in plain[1:]), \
+        "XLA's own dot is batch-invariant here: this check shows nothing"
+
+
+def test_row_blocks_past_num_rows_are_skipped():
+    rng = np.random.default_rng(2)
+    w = _weights(rng, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((40, K)), jnp.float32)
+    whole = np.asarray(MM.matmul_kernel(x, w, interpret=True))
+    part = np.asarray(MM.matmul_kernel(x, w, jnp.int32(9), interpret=True))
+    assert part[:16].tobytes() == whole[:16].tobytes()      # the blocks holding rows 0..8
+    assert (part[16:] == 0).all()
+
+
+def test_the_schedule_follows_the_weight_shape_alone():
+    assert MM.schedule(64, 24) == (64, 8)
+    assert MM.schedule(4096, 512) == (512, 256)
+    assert MM.schedule(11008, 1376) == (256, 32)        # Llama-2-7B's down and gate/up blocks
+
+
+def test_dispatch_and_bad_input():
+    rng = np.random.default_rng(3)
+    w = _weights(rng, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((5, K)), jnp.float32)
+    ref = np.asarray(MM.matmul(x, w, impl="reference"))
+    np.testing.assert_allclose(np.asarray(MM.matmul(x, w, impl="interpret")), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(MM.matmul(x, w)), ref)      # CPU: the reference
+    with pytest.raises(ValueError, match="matmul impl must be auto, reference, interpret"):
+        MM.matmul(x, w, impl="cublas")
+    with pytest.raises(ValueError, match="x has K = 32, w has K = 64"):
+        MM.matmul_kernel(x[:, :32], w, interpret=True)
+
+
+def _lower(backend, platform, device, dtype, m=32, k=4096, w=512):
+    # made outside the abstract mesh: eager ops fail there
+    args = (jnp.zeros((m, k), dtype), jnp.zeros((8, k, w), dtype), jnp.int32(5))
+    f = functools.partial(MM.matmul_kernel, backend=backend)
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_cross_lowers_for_gpu_triton(dtype):
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    text = _lower("triton", "cuda", device, dtype)
+    assert "xla.gpu.triton" in text and "stablehlo.dot_general" not in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_cross_lowers_for_tpu_mosaic(dtype):
+    device = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+    text = _lower("mosaic_tpu", "tpu", device, dtype)
+    assert "tpu_custom_call" in text and "stablehlo.dot_general" not in text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_the_kernel_is_exact(tiny_folder, dtype, monkeypatch):
+    """The engine with every matmul in the kernel (interpreted) on the tiny model: a request
+    alone gets the tokens it gets in a batch of 32, and n-gram speculation gives plain
+    decoding's tokens, greedy and seeded."""
+    from sfjax import LLM, SamplingParams
+
+    traced = []
+    kernel = MM.matmul_kernel
+    monkeypatch.setattr(MM, "matmul_kernel", lambda *a, **k: traced.append(a[1].shape) or kernel(*a, **k))
+
+    rng = np.random.default_rng(4)
+    prompts = []
+    for _ in range(32):
+        seg = rng.integers(2, 500, 3).tolist()
+        prompts.append({"prompt_token_ids": seg * 2 + rng.integers(2, 500, 2).tolist()})
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=10, ignore_eos=True)
+              for i in range(32)]
+    geometry = dict(dtype=dtype, matmul="interpret", max_num_seqs=32, max_model_len=32)
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]
+    plain = LLM(tiny_folder, **geometry)
+    batch = ids(plain.generate(prompts, params, use_tqdm=False))
+    assert traced, "the engine did not run the kernel"
+    for i in (0, 1, 31):
+        assert ids(plain.generate(prompts[i:i + 1], params[i:i + 1], use_tqdm=False)) == [batch[i]]
+    spec = LLM(tiny_folder, **geometry, speculative_config={"method": "ngram",
+                                                           "num_speculative_tokens": 3})
+    assert ids(spec.generate(prompts, params, use_tqdm=False)) == batch
+    assert spec.get_metrics()["spec_decode"]["num_accepted_tokens"] > 0
