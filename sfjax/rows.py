@@ -73,6 +73,15 @@ def per_tile(fn, row_tile: int, num_tiles, *xs):
     return jax.tree.map(lambda o: o[:-1].reshape(n, *o.shape[2:]), out)
 
 
+def bucket(n: int, tile: int) -> int:
+    """Smallest tile * 2**j >= n: few shapes, so few compilations (a step's rows, its logit
+    rows, the sampling table's id lists)."""
+    b = tile
+    while b < n:
+        b *= 2
+    return b
+
+
 def num_tiles_of(valid_rows, row_tile: int):
     """Tiles up to the last valid row: ceil((last valid index + 1) / row_tile), traced int32."""
     last = jnp.max(jnp.where(valid_rows, jnp.arange(1, valid_rows.shape[0] + 1), 0))

@@ -23,7 +23,7 @@ from jax import lax
 
 from pallas_kernels import sampling as kernels
 from sfjax.checks import InvalidType
-from sfjax.rows import num_tiles_of, per_tile
+from sfjax.rows import bucket, num_tiles_of, per_tile
 from sfjax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 INT32_MAX = 2**31 - 1
@@ -55,14 +55,6 @@ class SamplingBatch:
     bias: jax.Array           # float32 [R, B]
     allowed: jax.Array        # int32 [R, A] allowed_token_ids; all -1 = no restriction
     target: jax.Array         # int32 the token whose logprob is reported; -1 = the drawn one
-
-
-def width(n: int) -> int:
-    """The padded width of a per-request id list of ``n`` entries: 4 * 2**j, so few shapes."""
-    w = 4
-    while w < n:
-        w *= 2
-    return w
 
 
 @jax.tree_util.register_dataclass
@@ -121,7 +113,7 @@ class Sampling:
         ``max_tokens``) at row ``rows[i]`` (default i) of ``num_rows`` (default len(params));
         other rows are inert: greedy, no penalties, no stop ids, max_tokens 0. Unchecked
         (``from_params`` checks; the engine's requests are checked at admission). The id lists
-        are padded to ``width``s, so few shapes compile."""
+        are padded to ``rows.bucket``s of 4 * 2**j, so few shapes compile."""
         rows = list(range(len(params))) if rows is None else list(rows)
         n = len(params) if num_rows is None else num_rows
         stops = [([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)
@@ -129,7 +121,7 @@ class Sampling:
         biases = [sorted((p.logit_bias or {}).items()) for p in params]
         allowed = [list(p.allowed_token_ids or []) for p in params]
         ids = lambda lists, fill, dtype: np.full(
-            (n, width(max(map(len, lists), default=0))), fill, dtype)
+            (n, bucket(max(map(len, lists), default=0), 4)), fill, dtype)
         stop_ids, bias_ids, bias = ids(stops, -1, np.int32), ids(biases, -1, np.int32), ids(biases, 0, np.float32)
         allowed_ids = ids(allowed, -1, np.int32)
         f32, i32 = (lambda v: np.full(n, v, np.float32)), (lambda v: np.full(n, v, np.int32))

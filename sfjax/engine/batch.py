@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 
 from sfjax import sampling
+from sfjax.rows import bucket
 from sfjax.engine.scheduler import Request, Scheduled
 from sfjax.round import SpecBatch
 from sfjax.step import StepBatch
@@ -47,14 +48,6 @@ def draft_rows(plan: list[Scheduled], decode: set[int]) -> list[tuple]:
             out.append(([req.token(j) for j in range(s.start, s.start + s.count)],
                         list(range(s.start, s.start + s.count)), [req.slot] * s.count))
     return out
-
-
-def bucket(n: int, tile: int) -> int:
-    """Smallest tile * 2**j >= n: few shapes, so few compilations."""
-    b = tile
-    while b < n:
-        b *= 2
-    return b
 
 
 def pack(entries: list[tuple], shards: list[int], num_shards: int, tile: int, min_rows: int = 0):
