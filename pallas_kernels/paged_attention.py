@@ -21,7 +21,11 @@ not reach a row's bits.
 Backends (``paged_attention(impl=...)``): TPU through Mosaic (page tables and block metadata
 scalar-prefetched into SMEM, K/V pages left in HBM and DMA'd chunk by chunk into a double
 buffer), GPU through the Pallas Triton lowering (no scalar prefetch or scratch there: the tables
-are read as plain refs and the pages gathered by pointer), CPU through the reference.
+are read as plain refs and the pages gathered by pointer; flash-decoding: each program runs one
+fixed ``KV_SPLIT`` of a block's keys, so a batch-1 decode runs on as many programs as its
+context has splits, and a second kernel joins a block's splits in ascending order; a split past
+a row's keys holds exactly nothing, so the split count a block needs doesn't reach a row's
+bits either), CPU through the reference.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from sfjax.rows import num_tiles_of, opaque_count, per_tile
 
 
 KEY_CHUNK = 64          # the kernels' keys per online-softmax step
+KV_SPLIT = 512          # keys per program of the GPU kernel (flash-decoding); fixed, as a row's
+                        # bits depend on it
 REFERENCE_CHUNK = 256   # the reference's (fewer, larger steps: XLA:CPU pays per op, not per key)
 REFERENCE_BLOCK = 8     # the reference's query rows of one slot per block
 IMPLS = ("auto", "reference", "reference_tiles", "interpret", "triton", "mosaic_tpu")
@@ -239,17 +245,21 @@ def _finish(l, acc):
     return acc / jnp.where(l == 0, 1.0, l)
 
 
-def _gpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
-                sm_scale, chunk, max_blocks):
+def _gpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref,
+                acc_ref, m_ref, l_ref, *, sm_scale, chunk, max_blocks, split):
     # meta_ref: [2] (layer, number of blocks); slot_ref, last_ref: [NB] each block's slot and
     # last position; tables_ref: [max_seqs * max_blocks]; pos_ref: [R, 1] each row's position
-    # (-1: padding); q_ref, o_ref: [R, D] (one KV head's rows of one block: block_q * G rows
-    # padded to a power of two >= 16);
-    # k_ref, v_ref: [layers, pages, block_size, KVH, D], whole (Triton takes them as pointers).
-    b, h = pl.program_id(0), pl.program_id(1)
+    # (-1: padding); q_ref: [R, D] (one KV head's rows of one block: block_q * G rows padded to
+    # a power of two >= 16); k_ref, v_ref: [layers, pages, block_size, KVH, D], whole (Triton
+    # takes them as pointers). Program (b, h, s) runs keys [s * split, (s + 1) * split) of
+    # block b, head h: acc_ref [R, D], m_ref, l_ref [R, 1] its online-softmax state, unscaled
+    # (``_combine`` joins a block's splits).
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size = k_ref.shape[2]
+    per = split // chunk
+    live = (b < meta_ref[1]) & (s * split <= last_ref[b])
 
-    @pl.when(b < meta_ref[1])
+    @pl.when(live)
     def _():
         layer, slot, last = meta_ref[0], slot_ref[b], last_ref[b]
         q = q_ref[...].astype(jnp.float32)
@@ -264,8 +274,27 @@ def _gpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_ref,
             v = jnp.where((kpos <= last)[:, None], v, 0.0)
             return _online_step(q, k, v, kpos[None, :] <= rowpos, carry, sm_scale)
 
-        _, l, acc = lax.fori_loop(0, last // chunk + 1, body, _init(*q.shape))
-        o_ref[...] = _finish(l, acc)
+        m, l, acc = lax.fori_loop(s * per, jnp.minimum(last // chunk + 1, (s + 1) * per), body,
+                                  _init(*q.shape))
+        m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+
+    @pl.when(~live)
+    def _():
+        m_ref[...], l_ref[...], acc_ref[...] = _init(*acc_ref.shape)
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref):
+    # acc_ref [S, R, D], m_ref, l_ref [S, R, 1]: one block and head's splits, joined in
+    # ascending order (a split past a row's keys holds m = -inf, l = 0, acc = 0: exactly nothing)
+    m = m_ref[0]
+    for i in range(1, m_ref.shape[0]):
+        m = jnp.maximum(m, m_ref[i])
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    l, acc = jnp.zeros(l_ref.shape[1:], jnp.float32), jnp.zeros(acc_ref.shape[1:], jnp.float32)
+    for i in range(m_ref.shape[0]):
+        w = jnp.exp(m_ref[i] - m_safe)
+        l, acc = l + w * l_ref[i], acc + w * acc_ref[i]
+    o_ref[...] = _finish(l, acc)
 
 
 def _tpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_hbm, v_hbm, o_ref,
@@ -346,23 +375,40 @@ def _query_blocks(slots, positions, block_q):
     return block, idx - first, block_slot, block_last, jnp.sum(start, dtype=jnp.int32)
 
 
-def _call_triton(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blocks, interpret):
-    """The GPU kernel over query blocks. scalars: (meta, block slot, block last, flat tables);
+def _call_triton(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blocks, interpret,
+                 split=None):
+    """The GPU kernel over query blocks, flash-decoding style: grid (query blocks, KV heads,
+    splits of ``split`` keys), so batch 1 fills the GPU too, then one program per (block, head)
+    joins its splits in a fixed order. scalars: (meta, block slot, block last, flat tables);
     pos [NB, R, 1]; qb [NB, KVH, R, D]. Returns [NB, KVH, R, D] float32."""
     from jax.experimental.pallas import triton as pltriton
 
     nb, kvh, rows, d = qb.shape
+    split = max(split or KV_SPLIT, chunk)
+    block_size = k_cache.shape[2]
+    # splits: a power of two (a Triton block), enough for a slot's whole table
+    n_split = 1 << (-(-max_blocks * block_size // split) - 1).bit_length()
     whole = pl.BlockSpec()
-    block = pl.BlockSpec((None, None, rows, d), lambda b, j: (b, j, 0, 0))
-    return pl.pallas_call(
-        functools.partial(_gpu_kernel, sm_scale=sm_scale, chunk=chunk, max_blocks=max_blocks),
-        grid=(nb, kvh),
-        in_specs=[whole] * 4 + [pl.BlockSpec((None, rows, 1), lambda b, j: (b, 0, 0)), block,
+    params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=2)
+    part = lambda w: pl.BlockSpec((None, None, None, rows, w), lambda b, j, s: (b, j, s, 0, 0))
+    shape = lambda w: jax.ShapeDtypeStruct((nb, kvh, n_split, rows, w), jnp.float32)
+    acc, m, l = pl.pallas_call(
+        functools.partial(_gpu_kernel, sm_scale=sm_scale, chunk=chunk, max_blocks=max_blocks,
+                          split=split),
+        grid=(nb, kvh, n_split),
+        in_specs=[whole] * 4 + [pl.BlockSpec((None, rows, 1), lambda b, j, s: (b, 0, 0)),
+                                pl.BlockSpec((None, None, rows, d), lambda b, j, s: (b, j, 0, 0)),
                                 whole, whole],
-        out_specs=block, out_shape=jax.ShapeDtypeStruct(qb.shape, jnp.float32),
-        interpret=interpret, name="sfjax_paged_attention",
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=2),
+        out_specs=[part(d), part(1), part(1)], out_shape=[shape(d), shape(1), shape(1)],
+        interpret=interpret, name="sfjax_paged_attention", compiler_params=params,
     )(*scalars, pos, qb, k_cache, v_cache)
+    splits = lambda w: pl.BlockSpec((None, None, n_split, rows, w), lambda b, j: (b, j, 0, 0, 0))
+    return pl.pallas_call(
+        _combine_kernel, grid=(nb, kvh), in_specs=[splits(d), splits(1), splits(1)],
+        out_specs=pl.BlockSpec((None, None, rows, d), lambda b, j: (b, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(qb.shape, jnp.float32), interpret=interpret,
+        name="sfjax_paged_attention_combine", compiler_params=params,
+    )(acc, m, l)
 
 
 def _call_tpu(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blocks, interpret):
@@ -393,18 +439,20 @@ def _call_tpu(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blocks
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "interpret", "block_q",
-                                             "key_chunk"))
+                                             "key_chunk", "kv_split"))
 def paged_attention_kernel(q, k_cache, v_cache, layer, block_tables, slots, positions, *,
                            sm_scale: float, backend: str = "triton", interpret: bool = False,
-                           block_q: int = 8, key_chunk: int = KEY_CHUNK):
+                           block_q: int = 8, key_chunk: int = KEY_CHUNK,
+                           kv_split: int = KV_SPLIT):
     """The Pallas kernel: the reference's arguments and result (N need not be a multiple of
     anything), to 1e-6 in float32.
 
     ``backend``: "triton" (GPU; grid (query blocks, KV heads), pages gathered by pointer) or
     "mosaic_tpu" (grid (query blocks,), all KV heads per program, pages DMA'd from HBM).
     ``interpret`` runs either in Pallas' interpreter. ``block_q``: query rows of one slot per
-    block; ``key_chunk``: keys per online-softmax step (at least one page). Both fix a row's
-    arithmetic, so an engine keeps them constant.
+    block; ``key_chunk``: keys per online-softmax step (at least one page); ``kv_split``: keys
+    per program of the GPU kernel (a multiple of the chunk). They fix a row's arithmetic, so an
+    engine keeps them constant.
     """
     call = {"triton": _call_triton, "mosaic_tpu": _call_tpu}.get(backend)
     if call is None:
@@ -426,8 +474,10 @@ def paged_attention_kernel(q, k_cache, v_cache, layer, block_tables, slots, posi
                   constant_values=-1)[..., None]                             # [NB, R, 1]
     scalars = (jnp.stack([jnp.asarray(layer, jnp.int32), num_blocks]), block_slot, block_last,
                block_tables.astype(jnp.int32).reshape(max_seqs * max_blocks))
-    ob = call(scalars, pos, qb, k_cache, v_cache, sm_scale=sm_scale,
-              chunk=max(key_chunk, block_size), max_blocks=max_blocks, interpret=interpret)
+    chunk = max(key_chunk, block_size)
+    extra = {"split": kv_split} if backend == "triton" else {}
+    ob = call(scalars, pos, qb, k_cache, v_cache, sm_scale=sm_scale, chunk=chunk,
+              max_blocks=max_blocks, interpret=interpret, **extra)
     ob = ob[:, :, :rows].reshape(n, kvh, block_q, g, d)
     out = ob[jnp.minimum(block, n - 1), :, offset]                             # [N, KVH, G, D]
     return jnp.where((block < n)[:, None, None, None], out, 0.0).reshape(n, h, d)

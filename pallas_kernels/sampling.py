@@ -139,54 +139,138 @@ def _kernel(logits_ref, bits_ref, temp_ref, k_ref, p_ref, minp_ref, out_ref):
         minp_ref[...][:, 0])[:, None]
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "interpret", "backend"))
-def sample_kernel(logits, bits, temperature, top_k, top_p, min_p, *, block_rows: int = 8,
-                  interpret: bool = False, backend: str | None = None):
-    """The Pallas sampler: same signature and result as ``sample_reference``.
+def _logsumexp(x):
+    """log(sum(exp(x))) per row of a [R, V] block (-inf for a row of -inf), float32 [R, 1]."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    return m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True))
 
-    One program per ``block_rows`` rows holds whole rows ([block_rows, V], V padded to a power of
-    two with -inf for Triton); R must be a multiple of ``block_rows``. ``backend``: "triton" for the
-    GPU Triton lowering (behind a switch: deprecated from jax 0.11), "mosaic_tpu", or None.
-    """
-    r, v = logits.shape
-    if r % block_rows:
-        raise ValueError(f"rows ({r}) must be a multiple of block_rows ({block_rows})")
-    vp = v if backend != "triton" else 1 << (v - 1).bit_length()
-    if vp != v:
-        logits = jnp.pad(logits, ((0, 0), (0, vp - v)), constant_values=-jnp.inf)
-        bits = jnp.pad(bits, ((0, 0), (0, vp - v)))
-    col = lambda a: a.reshape(r, 1)
-    row_spec = pl.BlockSpec((block_rows, vp), lambda i: (i, 0))
-    one_spec = pl.BlockSpec((block_rows, 1), lambda i: (i, 0))
-    params = None
+
+def _log_probs_kernel(logits_ref, temp_ref, k_ref, p_ref, minp_ref, out_ref):
+    x = processed_logits(logits_ref[...], temp_ref[...][:, 0], k_ref[...][:, 0], p_ref[...][:, 0],
+                         minp_ref[...][:, 0])
+    out_ref[...] = x - _logsumexp(x)
+
+
+def _logsumexp_kernel(logits_ref, out_ref):
+    out_ref[...] = _logsumexp(logits_ref[...].astype(jnp.float32))
+
+
+def _entropy(logp):
+    p = jnp.exp(logp)
+    return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1, keepdims=True)
+
+
+def _entropy_kernel(logp_ref, out_ref):
+    out_ref[...] = _entropy(logp_ref[...])
+
+
+BLOCK_ROWS = 8          # rows per program of the row kernels: fixed, so a row's bits are too
+
+
+def _compiler_params(backend, num_warps):
     if backend == "triton":
         from jax.experimental.pallas import triton as pltriton
-        params = pltriton.CompilerParams(num_warps=8, num_stages=1)
-    elif backend == "mosaic_tpu":
+        return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    if backend == "mosaic_tpu":
         from jax.experimental.pallas import tpu as pltpu
-        params = pltpu.CompilerParams(dimension_semantics=("parallel",))
+        return pltpu.CompilerParams(dimension_semantics=("parallel",))
+    return None
+
+
+def row_kernel(body, rows, per_row, out_width, out_dtype, *, block_rows: int = BLOCK_ROWS,
+               interpret: bool = False, backend: str | None = None, name: str):
+    """``body`` over blocks of ``block_rows`` whole rows: ``rows`` are [R, V] arrays (V padded to
+    a power of two for Triton: -inf for float32 rows, 0 otherwise), ``per_row`` [R] values
+    (given to ``body`` as [block_rows, 1]); the output is [R, ``out_width``] (0: V). R is padded
+    to whole blocks. A row's result is computed by the same program shape whatever R is, so
+    reductions along it (a softmax's sum, the top-p mass) keep their bits across calls."""
+    r, v = rows[0].shape
+    vp = v if backend != "triton" else 1 << (v - 1).bit_length()
+    rp = -(-r // block_rows) * block_rows
+    fill = lambda a: -jnp.inf if a.dtype == jnp.float32 else 0
+    rows = [jnp.pad(a, ((0, rp - r), (0, vp - v)), constant_values=fill(a)) for a in rows]
+    per_row = [jnp.pad(a, (0, rp - r)).reshape(rp, 1) for a in per_row]
+    width = out_width or vp
+    spec = lambda w: pl.BlockSpec((block_rows, w), lambda i: (i, 0))
     out = pl.pallas_call(
-        _kernel, grid=(r // block_rows,),
-        in_specs=[row_spec, row_spec, one_spec, one_spec, one_spec, one_spec],
-        out_specs=one_spec,
-        out_shape=jax.ShapeDtypeStruct((r, 1), jnp.int32),
-        interpret=interpret, compiler_params=params, name="sfjax_sample",
-    )(logits.astype(jnp.float32), bits, col(temperature.astype(jnp.float32)),
-      col(top_k.astype(jnp.int32)), col(top_p.astype(jnp.float32)), col(min_p.astype(jnp.float32)))
-    return out[:, 0]
+        body, grid=(rp // block_rows,),
+        in_specs=[spec(vp)] * len(rows) + [spec(1)] * len(per_row), out_specs=spec(width),
+        out_shape=jax.ShapeDtypeStruct((rp, width), out_dtype), interpret=interpret,
+        compiler_params=_compiler_params(backend, 8), name=name,
+    )(*rows, *per_row)
+    return out[:r, :out_width or v]
+
+
+@functools.partial(jax.jit, static_argnames=("block_rows", "interpret", "backend"))
+def sample_kernel(logits, bits, temperature, top_k, top_p, min_p, *, block_rows: int = BLOCK_ROWS,
+                  interpret: bool = False, backend: str | None = None):
+    """The Pallas sampler: same signature and result as ``sample_reference``; one program per
+    ``block_rows`` whole rows (``row_kernel``). ``backend``: "triton" for the GPU Triton
+    lowering (behind a switch: deprecated from jax 0.11), "mosaic_tpu", or None."""
+    return row_kernel(_kernel, [logits.astype(jnp.float32), bits],
+                      [temperature.astype(jnp.float32), top_k.astype(jnp.int32),
+                       top_p.astype(jnp.float32), min_p.astype(jnp.float32)], 1, jnp.int32,
+                      block_rows=block_rows, interpret=interpret, backend=backend,
+                      name="sfjax_sample")[:, 0]
+
+
+def _impl(impl: str, what: str) -> str:
+    if impl == "auto":
+        impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend(), "reference")
+    if impl not in ("reference", "interpret", "triton", "mosaic_tpu"):
+        raise ValueError(f"{what} impl must be auto, reference, interpret, triton or mosaic_tpu; "
+                         f"got {impl!r}")
+    return impl
+
+
+def runs_kernel(impl: str) -> bool:
+    """Whether ``impl`` (resolved) runs the row kernels: then a call's rows go through them all
+    at once, not in row tiles (``sfjax.sampling.draw``)."""
+    return _impl(impl, "sampler") != "reference"
+
+
+def _kernel_args(impl):
+    return dict(interpret=impl == "interpret", backend=None if impl == "interpret" else impl)
 
 
 def sample(logits, bits, temperature, top_k, top_p, min_p, *, impl: str = "auto"):
     """Dispatch: "auto" (the kernel on GPU via Triton and on TPU via Mosaic, the reference on
     CPU), "reference", "interpret" (the kernel in interpret mode), "triton", "mosaic_tpu"."""
-    if impl == "auto":
-        impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend(), "reference")
+    impl = _impl(impl, "sampler")
     if impl == "reference":
         return sample_reference(logits, bits, temperature, top_k, top_p, min_p)
-    rows = logits.shape[0]
-    if impl == "interpret":
-        return sample_kernel(logits, bits, temperature, top_k, top_p, min_p, block_rows=rows,
-                             interpret=True)
-    if impl not in ("triton", "mosaic_tpu"):
-        raise ValueError(f"sampler impl must be auto, reference, interpret, triton or mosaic_tpu; got {impl!r}")
-    return sample_kernel(logits, bits, temperature, top_k, top_p, min_p, block_rows=rows, backend=impl)
+    return sample_kernel(logits, bits, temperature, top_k, top_p, min_p, **_kernel_args(impl))
+
+
+def logsumexp(logits, *, impl: str = "auto"):
+    """float32 [R]: log(sum(exp(logits))) per row; the reference is ``jax.nn.logsumexp``."""
+    impl = _impl(impl, "sampler")
+    if impl == "reference":
+        return jax.nn.logsumexp(logits, axis=-1)
+    return row_kernel(_logsumexp_kernel, [logits.astype(jnp.float32)], [], 1, jnp.float32,
+                      name="sfjax_logsumexp", **_kernel_args(impl))[:, 0]
+
+
+def log_probs(logits, temperature, top_k, top_p, min_p, *, impl: str = "auto"):
+    """The distribution a row draws from (``processed_logits``) as log-probabilities, float32
+    [R, V]."""
+    impl = _impl(impl, "sampler")
+    if impl == "reference":
+        x = processed_logits(logits, temperature, top_k, top_p, min_p)
+        m = jnp.max(x, axis=-1, keepdims=True)
+        return x - (m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))
+    return row_kernel(_log_probs_kernel, [logits.astype(jnp.float32)],
+                      [temperature.astype(jnp.float32), top_k.astype(jnp.int32),
+                       top_p.astype(jnp.float32), min_p.astype(jnp.float32)], 0, jnp.float32,
+                      name="sfjax_log_probs", **_kernel_args(impl))
+
+
+def entropy(logp, *, impl: str = "auto"):
+    """float32 [...]: -sum(p log p) over the last axis of log-probabilities ``logp`` [..., V]."""
+    impl = _impl(impl, "sampler")
+    if impl == "reference":
+        return _entropy(logp)[..., 0]
+    flat = logp.reshape(-1, logp.shape[-1]).astype(jnp.float32)
+    return row_kernel(_entropy_kernel, [flat], [], 1, jnp.float32, name="sfjax_entropy",
+                      **_kernel_args(impl))[:, 0].reshape(logp.shape[:-1])

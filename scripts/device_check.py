@@ -1,6 +1,6 @@
 """Device check of the Pallas kernels (issues 6 and 20): correctness, bandwidth, end to end.
 
-Run (one H200, at most about 5 minutes):
+Run (one H200, under 8 minutes):
     python scripts/device_check.py [--out results.json]
     python scripts/device_check.py --smoke        # tiny shapes; on CPU the kernel is interpreted
 
@@ -21,19 +21,29 @@ Sections, each printed as it finishes (a failing section prints its error and th
    whether a probe row's bytes are the same at the first and last position of calls with M in
    {1, 8, 16, 64, 128, 160, 512} (and whether XLA's own product keeps them); ms per call at M =
    1, 32 and 128 for both, and the weight bytes read per second against the copy ceiling.
-5. e2e: greedy decoding at batch 1 of a Llama-2-7B-shaped random bf16 model (13.5 GB of weights;
-   weight-read roofline = copy ceiling / weight bytes), plain and with a draft model. The target's
-   layers 3..32 write nothing to the residual stream (zero o_proj and down_proj: the same work,
-   exact zeros), and the draft is its first two layers with the same embeddings and head, so every
-   greedy draft is accepted: the round's best case. Speculative tokens must equal plain ones.
-   Each engine runs once to compile, then prefill (max_tokens=1) and the whole run are each the
-   best of 3; decode tok/s = (max_tokens - 1) / (whole - prefill).
+5. compile: the Llama-2-7B plain round (32 decode rows, from abstract shapes:
+   ``scripts/round_lowering.py``) lowered and compiled for the device, with default XLA flags
+   and, in a fresh process, with GPU autotuning off.
+6. bits: the 7B model's logits for a probe row (the engine's kernels, ``matmul="auto"``)
+   compared bytewise: decoded alone, as the last of 128 rows of other slots, and as the first
+   row of a k + 1 = 5 verify run; three separately compiled programs.
+7. e2e: greedy decoding of a Llama-2-7B-shaped random bf16 model (13.5 GB of weights), plain at
+   batch 1, 32 and 128 and with a draft model at batch 1 and 32, each against the weights + KV
+   read roofline (batch x copy ceiling / (weight bytes + batch x KV bytes at the mean context)).
+   The target's layers 3..32 write nothing to the residual stream (zero o_proj and down_proj:
+   the same work, exact zeros), and the draft is its first two layers with the same embeddings
+   and head, so every greedy draft is accepted: the round's best case. Speculative tokens must
+   equal plain ones. Each (engine, batch) runs once to compile, then prefill (max_tokens=1) and
+   the whole run are each the best of 2; decode tok/s = batch x (max_tokens - 1) / (whole -
+   prefill).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import os
 import json
 import statistics
 import time
@@ -183,61 +193,143 @@ def random_weights(cfg: ModelConfig, seed: int) -> W.Weights:
     return W.Weights(**arrays, **({"lm_head": None} if cfg.tie_word_embeddings else {}))
 
 
-def generate(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
-    engine.add_request(str(time.perf_counter_ns()), {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+def llama_7b() -> ModelConfig:
+    return ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16")
+
+
+def generate(engine: Engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    """Greedy decoding of every prompt at once (one request each); (seconds, tokens per prompt)."""
+    ids = [f"{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     t = time.perf_counter()
-    tokens = []
+    tokens = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tokens += out.new_token_ids
-    return time.perf_counter() - t, tokens
+            tokens[out.request_id] += out.new_token_ids
+    return time.perf_counter() - t, [tokens[rid] for rid in ids]
 
 
-def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 3) -> dict:
+def compile_times(smoke: bool) -> dict:
+    """The Llama-2-7B plain round (32 decode rows; abstract shapes, nothing allocated) lowered
+    and compiled for this device with default XLA flags, then in a fresh process with GPU
+    autotuning off (``--xla_gpu_autotune_level=0``)."""
+    import subprocess
+    import sys
     if smoke:
-        cfg = toy.tiny_config(num_layers=4, dtype="bfloat16")
-    else:                                                    # Llama-2-7B
-        cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                          num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
-                          max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16")
+        return {"skipped": "smoke"}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from round_lowering import compile_seconds
+    out = {}
+    lower_s, compile_s = compile_seconds(32)
+    out["default"] = dict(lower_s=lower_s, compile_s=compile_s)
+    print(f"compile: 7B plain round lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s", flush=True)
+    code = ("import sys, json; sys.path.insert(0, %r); from round_lowering import compile_seconds; "
+            "print(json.dumps(compile_seconds(32)))" % os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip())
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=400)
+    if run.returncode == 0:
+        lower_s, compile_s = json.loads(run.stdout.strip().splitlines()[-1])
+        out["autotune_off"] = dict(lower_s=lower_s, compile_s=compile_s)
+        print(f"compile: autotuning off: lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s", flush=True)
+    else:
+        out["autotune_off"] = {"error": run.stderr[-3000:]}
+        print(f"compile: autotuning off FAILED:\n{run.stderr[-3000:]}", flush=True)
+    return out
+
+
+def row_bits(smoke: bool) -> dict:
+    """The model's logits for a probe row, bytes compared: decoded alone (8-row bucket), as the
+    last row of a 128-row batch of other slots' rows, and as the first row of a k + 1 = 5 verify
+    run; each a separately compiled program (the engine's kernels: ``matmul="auto"``)."""
+    cfg = toy.tiny_config(num_layers=4, dtype="bfloat16") if smoke else llama_7b()
+    from sfjax import model, rows as R, sharding
+    from sfjax.cache import KVCache
+    w = sharding.place_weights(random_weights(cfg, 0), cfg)
+    impl = R.kernel_for("auto", cfg) if not ON_CPU else "interpret"
+    ctx, block = 200, 16
+    pages_per = -(-(ctx + 8) // block)
+    tables = jnp.arange(1, 1 + 130 * pages_per, dtype=jnp.int32).reshape(130, pages_per)
+    cache = KVCache.zeros(cfg, 1 + 130 * pages_per, block)
+
+    @functools.partial(jax.jit, static_argnums=(3,))
+    def logits(tokens, positions, slots, n):
+        h, _ = model.forward(w, cache, tokens, positions, slots, tables, cfg, matmul=impl,
+                             attention="auto" if not ON_CPU else "reference")
+        return model.logits(w, h, cfg, matmul=impl)
+
+    rng = np.random.default_rng(0)
+    probe_tok = 17
+    cases = {}
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    # alone: one decode row of slot 0 at position ctx (its earlier K/V: zeros, the same in all)
+    tok, pos, sl = [probe_tok] + [0] * 7, [ctx] + [-1] * 7, [0] + [-1] * 7
+    cases["alone"] = np.asarray(logits(i32(tok), i32(pos), i32(sl), 8)[0])
+    tok = rng.integers(2, cfg.vocab_size, 128).tolist()
+    tok[127] = probe_tok
+    pos, sl = [ctx] * 128, list(range(1, 128)) + [0]
+    cases["in_batch_128"] = np.asarray(logits(i32(tok), i32(pos), i32(sl), 128)[127])
+    tok = [probe_tok] + rng.integers(2, cfg.vocab_size, 4).tolist() + [0] * 3
+    pos, sl = [ctx + j for j in range(5)] + [-1] * 3, [0] * 5 + [-1] * 3
+    cases["verify_row_0"] = np.asarray(logits(i32(tok), i32(pos), i32(sl), 8)[0])
+    same = {name: cases[name].tobytes() == cases["alone"].tobytes() for name in cases}
+    print(f"bits: matmul {impl}: probe row's logits identical alone / in batch 128 / first of a "
+          f"verify run: {same}", flush=True)
+    return dict(matmul=impl, same=same)
+
+
+def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 2) -> dict:
+    """Greedy decoding, plain at batch 1, 32 and 128 and with the all-accepting draft model at
+    batch 1 and 32; each against the weights + KV read roofline."""
+    cfg = toy.tiny_config(num_layers=4, dtype="bfloat16") if smoke else llama_7b()
     w = random_weights(cfg, 0)
     dead = lambda x: x.at[2:].set(0)
     w = dataclasses.replace(w, wo=dead(w.wo), w_down=dead(w.w_down))
     dcfg = dataclasses.replace(cfg, num_layers=2)
     dw = dataclasses.replace(w, **{f: getattr(w, f)[:2] for f in W.LAYER_FIELDS})
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(w))
-    roofline = ceiling * 1e9 / weight_bytes
-    prompt = np.random.default_rng(0).integers(2, cfg.vocab_size, 128 if not smoke else 16).tolist()
+    prompt_len = 128 if not smoke else 16
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
     tokenizer = toy.build_tokenizer(512)
-    config = EngineConfig(max_num_seqs=1, max_model_len=max_tokens + len(prompt) + k + 8)
-    out = dict(weight_gb=weight_bytes / 1e9, roofline_tok_s=roofline)
-    print(f"e2e: {weight_bytes / 1e9:.2f} GB of weights, roofline {roofline:.0f} tok/s", flush=True)
+    batches = (1, 32, 128) if not smoke else (1, 4)
+    out = dict(weight_gb=weight_bytes / 1e9)
+    print(f"e2e: {weight_bytes / 1e9:.2f} GB of weights", flush=True)
     tokens = {}
-    for name, spec, draft in [
-            ("plain", None, None),
+    for name, spec, draft, sizes in [
+            ("plain", None, None, batches),
             ("draft_model", SpeculativeConfig(method="draft_model", model="(in memory)",
-                                              num_speculative_tokens=k), (dcfg, dw))]:
+                                              num_speculative_tokens=k), (dcfg, dw), batches[:2])]:
+        config = EngineConfig(max_num_seqs=max(sizes), max_model_len=max_tokens + prompt_len + k + 8,
+                              max_num_batched_tokens=max(max(sizes), 512))
         engine = Engine(cfg, w, tokenizer, config, eos_token_ids=(), speculative=spec, draft=draft)
-        t0 = time.perf_counter()
-        generate(engine, prompt, max_tokens)                 # compiles every shape it uses
-        compile_s = time.perf_counter() - t0
-        prefill = min(generate(engine, prompt, 1)[0] for _ in range(repeats))
-        runs = [generate(engine, prompt, max_tokens) for _ in range(repeats)]
-        total, toks = min(runs)
-        decode = (max_tokens - 1) / (total - prefill)
-        row = dict(warmup_s=compile_s, prefill_s=prefill, total_s=total, tok_s=max_tokens / total,
-                   decode_tok_s=decode, of_roofline=decode / roofline)
-        if spec is not None:
-            m = engine.get_metrics()["spec_decode"]
-            row.update(acceptance_rate=m["acceptance_rate"], mean_acceptance_length=m["mean_acceptance_length"])
-        tokens[name] = toks
-        out[name] = row
-        print(f"e2e {name}: decode {decode:.1f} tok/s ({100 * decode / roofline:.0f}% of roofline), "
-              f"prefill {prefill * 1e3:.0f} ms, warm-up {compile_s:.1f} s"
-              + (f", acceptance {row['acceptance_rate']:.2f}" if spec else ""), flush=True)
+        out[name] = {"matmul": engine.run.matmul}
+        for b in sizes:
+            prompts = np.random.default_rng(b).integers(2, cfg.vocab_size, (b, prompt_len)).tolist()
+            t0 = time.perf_counter()
+            generate(engine, prompts, max_tokens)                # compiles every shape it uses
+            warm = time.perf_counter() - t0
+            prefill = min(generate(engine, prompts, 1)[0] for _ in range(repeats))
+            total, toks = min(generate(engine, prompts, max_tokens) for _ in range(repeats))
+            decode = b * (max_tokens - 1) / (total - prefill)
+            context = prompt_len + max_tokens / 2
+            roofline = b * ceiling * 1e9 / (weight_bytes + b * context * kv_per_token)
+            row = dict(warmup_s=warm, prefill_s=prefill, total_s=total, decode_tok_s=decode,
+                       roofline_tok_s=roofline, of_roofline=decode / roofline)
+            if spec is not None:
+                m = engine.get_metrics()["spec_decode"]
+                row.update(acceptance_rate=m["acceptance_rate"],
+                           mean_acceptance_length=m["mean_acceptance_length"])
+            tokens[name, b] = toks
+            out[name][b] = row
+            print(f"e2e {name} batch {b} ({engine.run.matmul}): decode {decode:.1f} tok/s "
+                  f"({100 * decode / roofline:.0f}% of the {roofline:.0f} tok/s roofline), prefill "
+                  f"{prefill * 1e3:.0f} ms, warm-up {warm:.1f} s"
+                  + (f", acceptance {row['acceptance_rate']:.2f}" if spec else ""), flush=True)
         del engine
-    out["spec_equals_plain"] = tokens["draft_model"] == tokens["plain"]
+    out["spec_equals_plain"] = all(tokens["draft_model", b] == tokens["plain", b] for b in batches[:2])
     print(f"e2e: speculative tokens equal plain: {out['spec_equals_plain']}", flush=True)
     return out
 
@@ -287,7 +379,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="e2e: tokens generated")
     ap.add_argument("--k", type=int, default=4, help="e2e: drafts per round")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                    "correct,attention,e2e,matmul")
+                    "correct,attention,matmul,compile,bits,e2e")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -300,6 +392,8 @@ def main() -> None:
                 ("copy_gbs", lambda: copy_ceiling(args.smoke, args.iters)),
                 ("attention", lambda: time_attention(args.smoke, args.iters, results["copy_gbs"])),
                 ("matmul", lambda: matmuls(args.smoke, args.iters, results["copy_gbs"])),
+                ("compile", lambda: compile_times(args.smoke)),
+                ("bits", lambda: row_bits(args.smoke)),
                 ("e2e", lambda: e2e(args.smoke, results["copy_gbs"], args.max_tokens, args.k))]
     for name, run in sections:
         if name in skip:

@@ -45,7 +45,7 @@ class LLM:
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto",
                  attention: str = "auto", enable_prefix_caching: bool = True,
                  num_scheduler_steps: int = 8, small_row_tiles: bool = True,
-                 layer_loop: str = "auto", matmul: str | None = None,
+                 layer_loop: str = "auto", matmul: str | None = "auto",
                  speculative_config: dict | SpeculativeConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
         if model is None:

@@ -22,15 +22,9 @@ from pallas_kernels.paged_attention import paged_attention
 from sfjax import rows, sharding
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, rope_frequencies
-from sfjax.rows import matmul
+from sfjax.rows import matmul, rms_norm
 from sfjax.sharding import Split
 from sfjax.weights import LAYER_FIELDS, Weights
-
-
-def rms_norm(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return w * y.astype(x.dtype)
 
 
 def rope_angles(positions, inv_freq):
@@ -81,13 +75,11 @@ def _small(small_tiles: tuple[int, ...], sp: Split) -> tuple[int, ...]:
 
 
 def qkv(x, positions, lw, cfg: ModelConfig, inv_freq, mm=matmul):
-    """Rows' queries, keys and values: the attention norm, the three projections, RoPE.
-    ``mm``: the matmul (``Rows.matmul``)."""
+    """Rows' queries, keys and values: the attention norm and the three projections (one fused
+    product, ``mm``: ``Rows.matmul``), RoPE."""
     t = x.shape[0]
-    h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-    q = mm(h, lw["wq"]).reshape(t, -1, cfg.head_dim)
-    k = mm(h, lw["wk"]).reshape(t, -1, cfg.head_dim)
-    v = mm(h, lw["wv"]).reshape(t, -1, cfg.head_dim)
+    q, k, v = mm(x, (lw["wq"], lw["wk"], lw["wv"]), norm=(lw["attn_norm"], cfg.rms_norm_eps))
+    q, k, v = (a.reshape(t, -1, cfg.head_dim) for a in (q, k, v))
     angles, zero = rope_angles(positions, inv_freq), rows.opaque_zero(positions)
     return rope(q, angles, zero), rope(k, angles, zero), v
 
@@ -96,8 +88,8 @@ def mlp_input(x, attn, lw, cfg: ModelConfig, mm=matmul):
     """The residual after attention, and the MLP's gated activation of it:
     (x + attn, silu(gate(h)) * up(h)) with h = mlp_norm(x + attn), in one tile body."""
     x = x + attn
-    h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
-    return x, jax.nn.silu(mm(h, lw["w_gate"])) * mm(h, lw["w_up"])
+    gate, up = mm(x, (lw["w_gate"], lw["w_up"]), norm=(lw["mlp_norm"], cfg.rms_norm_eps))
+    return x, jax.nn.silu(gate) * up
 
 
 def attention_block(x, kc, vc, i, lw, ctx):
@@ -219,7 +211,7 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
 def head(h, weights: Weights, cfg: ModelConfig, mm=matmul):
     """Final norm and LM head of rows' hidden states; float32 logits (a tied head is embed.T,
     ``rows.block_weights``)."""
-    return mm(rms_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head, jnp.float32)
+    return mm(h, weights.lm_head, jnp.float32, norm=(weights.final_norm, cfg.rms_norm_eps))
 
 
 def _logits(weights: Weights, hidden, num_rows, *, cfg: ModelConfig, row_tile: int,

@@ -41,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels import matmul as kernels
 from sfjax.config import ModelConfig
-from sfjax.weights import LAYER_FIELDS, Weights
+from sfjax.weights import LAYER_FIELDS, Weights, describe
 
 COL_BLOCKS = 8          # column blocks of every matmul; a tensor-parallel size must divide it
 SMALL_ROW_TILES = (2, 4)
@@ -128,14 +129,41 @@ class Rows:
             return fn(*xs)
         return per_tile_sized(fn, self.tile, self.small, self.valid, *xs)
 
-    def matmul(self, a, w, out_dtype=None):
-        """``a @ w`` (``w`` blocked) for ``fn``s under ``apply``: ``matmul`` on a tile, or the
-        kernel over all rows, skipping row blocks past the last valid row."""
+    def matmul(self, a, w, out_dtype=None, norm=None):
+        """``a @ w`` (``w`` blocked, or a tuple of blocked weights: a tuple of products) for
+        ``fn``s under ``apply``, ``a`` first RMS-normed by ``norm`` ((weight, eps)) if given:
+        ``matmul`` on a tile, or one kernel launch over all rows (the norm its prologue),
+        skipping row blocks past the last valid row."""
         if self.kernel is None:
-            return matmul(a, w, out_dtype)
-        from pallas_kernels import matmul as kernels        # the kernels import this module
+            a = a if norm is None else rms_norm(a, *norm)
+            return (tuple(matmul(a, x, out_dtype) for x in w) if isinstance(w, tuple)
+                    else matmul(a, w, out_dtype))
         last = jnp.max(jnp.where(self.valid, jnp.arange(1, self.valid.shape[0] + 1), 0))
-        return kernels.matmul(a, w, last, out_dtype=out_dtype, impl=self.kernel)
+        return kernels.matmul(a, w, last, out_dtype=out_dtype, norm=norm, impl=self.kernel)
+
+
+def rms_norm(x, w, eps):
+    """RMSNorm: ``w * (x * rsqrt(mean(x**2) + eps))``, the product rounded to x's dtype first
+    (the kernel's prologue computes the same, ``pallas_kernels.matmul``)."""
+    return kernels.rms_normed(x, w, eps)
+
+
+def kernel_for(matmul: str | None, *cfgs: ModelConfig) -> str | None:
+    """A run's matmul impl: None (the tile loop) and the kernel impls as they are; "auto" the
+    backend's kernel (Triton on GPU, Mosaic on TPU) when every weight of the models has a
+    schedule there (``pallas_kernels.matmul.fits``), else None, and None on CPU, where the tile
+    loop is faster (BENCHMARKS.md)."""
+    if matmul != "auto":
+        return matmul
+    backend = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend())
+    if backend is None:
+        return None
+    shapes = [a.shape[-2:] for c in cfgs for name, a in describe(c).items()
+              if name != "embed" and not name.endswith("norm")]
+    if any(c.tie_word_embeddings for c in cfgs):
+        shapes += [(c.hidden_size, c.vocab_size) for c in cfgs]
+    fit = all(kernels.fits(k, n // blocks_of(n), backend) for k, n in shapes)
+    return backend if fit else None
 
 
 # -- the blocked matmul -------------------------------------------------------------------------

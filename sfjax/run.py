@@ -17,14 +17,14 @@ import jax
 from pallas_kernels.paged_attention import IMPLS as ATTENTION_IMPLS
 from pallas_kernels.matmul import KERNELS
 from sfjax import checks as C
-from sfjax import model
+from sfjax import model, rows
 from sfjax.cache import validate_block_size
 from sfjax.config import ModelConfig
 from sfjax.round import RoundConfig
 from sfjax.spec.config import SpeculativeConfig
 
 
-MATMUL_KERNELS = (None, *KERNELS)
+MATMUL_KERNELS = (None, "auto", *KERNELS)
 
 
 @jax.tree_util.register_static
@@ -49,8 +49,10 @@ class RunConfig:
         engine sets them on one CPU device); () runs ``row_tile`` tiles only.
     matmul: None runs every matmul in row tiles of ``row_tile`` (XLA dots); a
         ``pallas_kernels.matmul`` impl ("interpret", "triton", "mosaic_tpu") runs each as one
-        batch-invariant Pallas launch over all of a call's rows (the small tiles are then unused).
-        Tokens are the same for either within one choice, not across the two.
+        batch-invariant Pallas launch over all of a call's rows (q|k|v and gate|up fused, each
+        with its RMSNorm as the prologue; the small tiles are then unused); "auto" (resolved
+        here, ``rows.kernel_for``): the kernel on GPU and TPU, the tile loop on CPU. Tokens are
+        the same for either within one choice, not across the two.
     """
     model: ModelConfig
     max_model_len: int
@@ -64,7 +66,7 @@ class RunConfig:
     draft_mesh: Any = None
     small_tiles: tuple[int, ...] = ()
     draft_small_tiles: tuple[int, ...] = ()
-    matmul: str | None = None
+    matmul: str | None = "auto"
 
     def __post_init__(self):
         f = lambda name: f"RunConfig.{name}"
@@ -90,6 +92,8 @@ class RunConfig:
         C.one_of(f("layer_loop"), self.layer_loop, model.LAYER_LOOPS)
         C.one_of(f("attention"), self.attention, ATTENTION_IMPLS)
         C.one_of(f("matmul"), self.matmul, MATMUL_KERNELS)
+        object.__setattr__(self, "matmul", rows.kernel_for(self.matmul, self.model, *(
+            [self.draft] if self.draft is not None else [])))
         for name in ("small_tiles", "draft_small_tiles"):
             tiles = getattr(self, name)
             if not all(isinstance(t, int) and 0 < t < self.row_tile and self.row_tile % t == 0

@@ -247,21 +247,23 @@ def process(logits, b: SamplingBatch, history):
 
 
 def _draw_tile(raw, b: SamplingBatch, history, with_logprobs, impl, role=ROLE_TARGET):
-    """One tile: process, draw, and (optionally) raw logprobs."""
+    """One tile (or, with the row kernels, all rows): process, draw, and (optionally) raw
+    logprobs."""
     x = process(raw, b, history)
     v = raw.shape[1]
     sampled = (b.temperature > 0)
     bits = lax.cond(jnp.any(sampled), lambda: noise_bits(b.key_data, b.position, v, role),
                     lambda: jnp.zeros(raw.shape, jnp.uint32))
     tokens = kernels.sample(x, bits, b.temperature, b.top_k, b.top_p, b.min_p, impl=impl)
-    return Drawn(tokens, *raw_logprobs(raw, jnp.where(b.target >= 0, b.target, tokens), with_logprobs))
+    target = jnp.where(b.target >= 0, b.target, tokens)
+    return Drawn(tokens, *raw_logprobs(raw, target, with_logprobs, impl))
 
 
-def raw_logprobs(raw, target, wanted):
+def raw_logprobs(raw, target, wanted, impl: str = "reference"):
     """(logprob of ``target``, its 1-based rank, top-20 ids, top-20 logprobs) of the raw logits,
     computed only if ``wanted`` (a traced bool)."""
     def compute():
-        lp = raw - jax.nn.logsumexp(raw, axis=-1, keepdims=True)
+        lp = raw - kernels.logsumexp(raw, impl=impl)[:, None]
         tok = jnp.take_along_axis(lp, target[:, None], axis=1)[:, 0]
         rank = 1 + jnp.sum(lp > tok[:, None], axis=1).astype(jnp.int32)
         top_lp, top_ids = lax.top_k(lp, MAX_LOGPROBS)
@@ -273,6 +275,16 @@ def raw_logprobs(raw, target, wanted):
     return lax.cond(wanted, compute, empty)
 
 
+def _over_rows(fn, logits, batch, num_rows, row_tile, impl):
+    """``fn(raw, b)`` over the first ``num_rows`` rows: in row tiles (XLA's reductions keep a
+    row's bits only on one tile shape), or with the row kernels (``impl`` runs them: their
+    reductions are inside fixed-shape programs) over all rows at once."""
+    if kernels.runs_kernel(impl):
+        return fn(logits, batch)
+    rows = jnp.arange(logits.shape[0]) < num_rows
+    return per_tile(fn, row_tile, num_tiles_of(rows, row_tile), logits, batch)
+
+
 def draw(logits, batch: SamplingBatch, history, num_rows, row_tile: int, with_logprobs,
          impl: str = "auto", role: int = ROLE_TARGET) -> Drawn:
     """Tokens (and raw logprobs) for the first ``num_rows`` rows of ``logits`` [R, V] (float32).
@@ -280,19 +292,15 @@ def draw(logits, batch: SamplingBatch, history, num_rows, row_tile: int, with_lo
     ``history`` int32 [max_seqs, max_model_len] holds each slot's tokens by position;
     ``with_logprobs`` is a traced bool; ``impl`` picks the sampler (pallas_kernels.sampling.sample).
     """
-    rows = jnp.arange(logits.shape[0]) < num_rows
     fn = lambda raw, b: _draw_tile(raw, b, history, with_logprobs, impl, role)
-    return per_tile(fn, row_tile, num_tiles_of(rows, row_tile), logits, batch)
+    return _over_rows(fn, logits, batch, num_rows, row_tile, impl)
 
 
-def log_probs(logits, batch: SamplingBatch, history, num_rows, row_tile: int):
+def log_probs(logits, batch: SamplingBatch, history, num_rows, row_tile: int,
+              impl: str = "auto"):
     """The processed distribution each row draws from, as log-probabilities [R, V] (a point mass
     for greedy rows); what rejection sampling and typical acceptance compare."""
-    rows = jnp.arange(logits.shape[0]) < num_rows
-
     def fn(raw, b):
-        x = kernels.processed_logits(process(raw, b, history), b.temperature, b.top_k, b.top_p, b.min_p)
-        m = jnp.max(x, axis=-1, keepdims=True)
-        return x - (m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))
-
-    return per_tile(fn, row_tile, num_tiles_of(rows, row_tile), logits, batch)
+        return kernels.log_probs(process(raw, b, history), b.temperature, b.top_k, b.top_p,
+                                 b.min_p, impl=impl)
+    return _over_rows(fn, logits, batch, num_rows, row_tile, impl)

@@ -72,6 +72,52 @@ def test_the_schedule_follows_the_weight_shape_alone():
     assert MM.schedule(64, 24) == (64, 8)
     assert MM.schedule(4096, 512) == (512, 256)
     assert MM.schedule(11008, 1376) == (256, 32)        # Llama-2-7B's down and gate/up blocks
+    # Mosaic: a multiple of 128 lanes, or the whole block's width
+    assert MM.schedule(4096, 512, "mosaic_tpu") == (512, 512)
+    assert MM.schedule(4096, 1376, "mosaic_tpu") == (512, 1376)
+    assert MM.schedule(4096, 4000, "mosaic_tpu") == (512, 4000)
+
+
+FUSED = (24, 8, 8)           # the tiny model's q|k|v blocks (GQA: k and v narrower)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_weights_with_the_norm_prologue_equal_the_product(dtype):
+    """q|k|v in one launch, x RMS-normed inside it: each output equals RMSNorm then its own
+    product (f32 to 1e-6 of the output's scale; bf16: the norm rounds to bf16 in both, so the
+    products see the same inputs and agree to 1e-6 before the final rounding)."""
+    rng = np.random.default_rng(5)
+    ws = tuple(_weights(rng, dtype, w=w) for w in FUSED)
+    norm = (jnp.asarray(rng.uniform(0.5, 1.5, K), jnp.float32).astype(dtype), 1e-5)
+    for m in (1, 13):
+        x = jnp.asarray(rng.standard_normal((m, K)) * 3, jnp.float32).astype(dtype)
+        refs = MM.matmul_reference(x, ws, jnp.float32, norm)
+        got = MM.matmul_kernel(x, ws, None, norm[0], eps=norm[1], out_dtype=jnp.float32,
+                               interpret=True)
+        assert len(got) == 3
+        for r, g, w in zip(refs, got, FUSED):
+            r, g = np.asarray(r), np.asarray(g)
+            assert g.shape == (m, U * w)
+            tol = 1e-6 if dtype == jnp.float32 else 1e-2
+            assert np.abs(g - r).max() <= tol * np.abs(r).max()
+        assert np.asarray(MM.matmul(x, ws, norm=norm, impl="interpret")[1]).dtype == dtype
+
+
+def test_fused_normed_rows_keep_their_bits_in_any_call():
+    """The probe row of ``test_a_rows_bits_do_not_depend_on_the_call`` through q|k|v with the
+    norm prologue (whose sum over K is per row as well)."""
+    rng = np.random.default_rng(6)
+    ws = tuple(_weights(rng, jnp.bfloat16, w=w) for w in FUSED)
+    nw = jnp.asarray(rng.uniform(0.5, 1.5, K), jnp.float32).astype(jnp.bfloat16)
+    probe = jnp.asarray(rng.standard_normal(K), jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(lambda x: MM.matmul_kernel(x, ws, None, nw, eps=1e-5, interpret=True))
+    first = None
+    for m in (1, 8, 16, 160):
+        for at in sorted({0, m - 1}):
+            x = jnp.asarray(rng.standard_normal((m, K)), jnp.float32).astype(jnp.bfloat16).at[at].set(probe)
+            row = b"".join(np.asarray(o)[at].tobytes() for o in f(x))
+            first = row if first is None else first
+            assert row == first, (m, at)
 
 
 def test_dispatch_and_bad_input():
@@ -87,10 +133,12 @@ def test_dispatch_and_bad_input():
         MM.matmul_kernel(x[:, :32], w, interpret=True)
 
 
-def _lower(backend, platform, device, dtype, m=32, k=4096, w=512):
+def _lower(backend, platform, device, dtype, m=32, k=4096, widths=(512, 512, 512)):
+    """Llama-2-7B's q|k|v with the attention norm as the prologue."""
     # made outside the abstract mesh: eager ops fail there
-    args = (jnp.zeros((m, k), dtype), jnp.zeros((8, k, w), dtype), jnp.int32(5))
-    f = functools.partial(MM.matmul_kernel, backend=backend)
+    args = (jnp.zeros((m, k), dtype), tuple(jnp.zeros((8, k, w), dtype) for w in widths),
+            jnp.int32(5), jnp.ones((k,), dtype))
+    f = functools.partial(MM.matmul_kernel, eps=1e-5, backend=backend)
     with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)):
         return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
@@ -118,7 +166,7 @@ def test_engine_with_the_kernel_is_exact(tiny_folder, dtype, monkeypatch):
 
     traced = []
     kernel = MM.matmul_kernel
-    monkeypatch.setattr(MM, "matmul_kernel", lambda *a, **k: traced.append(a[1].shape) or kernel(*a, **k))
+    monkeypatch.setattr(MM, "matmul_kernel", lambda *a, **k: traced.append(a[1]) or kernel(*a, **k))
 
     rng = np.random.default_rng(4)
     prompts = []
@@ -128,7 +176,9 @@ def test_engine_with_the_kernel_is_exact(tiny_folder, dtype, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=10, ignore_eos=True)
               for i in range(32)]
-    geometry = dict(dtype=dtype, matmul="interpret", max_num_seqs=32, max_model_len=32)
+    # the sampler's row kernels too: every logit row of a call at once, as on an accelerator
+    geometry = dict(dtype=dtype, matmul="interpret", sampler="interpret", max_num_seqs=32,
+                    max_model_len=32)
     ids = lambda outs: [o.outputs[0].token_ids for o in outs]
     plain = LLM(tiny_folder, **geometry)
     batch = ids(plain.generate(prompts, params, use_tqdm=False))
@@ -139,3 +189,24 @@ def test_engine_with_the_kernel_is_exact(tiny_folder, dtype, monkeypatch):
                                                            "num_speculative_tokens": 3})
     assert ids(spec.generate(prompts, params, use_tqdm=False)) == batch
     assert spec.get_metrics()["spec_decode"]["num_accepted_tokens"] > 0
+
+
+def test_auto_picks_the_kernel_on_accelerators_where_every_weight_fits(monkeypatch):
+    """``matmul="auto"``: the row-tile loop on CPU; on GPU Triton when every weight's blocks
+    reach Triton's 16 (Llama-2-7B), else the tile loop (the tiny test model's 8-column blocks);
+    on TPU Mosaic."""
+    from sfjax import rows, toy
+    from sfjax.config import ModelConfig
+    from sfjax.run import RunConfig
+
+    big = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=2,
+                      num_heads=32, num_kv_heads=32, head_dim=128, max_position_embeddings=4096)
+    tiny = toy.tiny_config()
+    assert rows.kernel_for("auto", big) is None and RunConfig(big, 64).matmul is None   # CPU
+    for backend, want in [("gpu", "triton"), ("tpu", "mosaic_tpu")]:
+        monkeypatch.setattr(rows.jax, "default_backend", lambda b=backend: b)
+        assert rows.kernel_for("auto", big) == want
+        assert RunConfig(big, 64).matmul == want
+    monkeypatch.setattr(rows.jax, "default_backend", lambda: "gpu")
+    assert rows.kernel_for("auto", tiny) is None and rows.kernel_for("auto", big, tiny) is None
+    assert rows.kernel_for(None, big) is None and rows.kernel_for("interpret", tiny) == "interpret"

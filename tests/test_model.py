@@ -118,7 +118,7 @@ def test_the_certificate_refuses_a_tile_with_other_bits(setup, monkeypatch):
     """A body whose bits follow the tile's size (here a norm that adds the tile's row count) gets
     no small tile."""
     w, _ = setup
-    norm = model.rms_norm
-    monkeypatch.setattr(model, "rms_norm", lambda x, g, eps: norm(x, g, eps) + x.shape[0] * 1e-3)
+    norm = R.rms_norm
+    monkeypatch.setattr(R, "rms_norm", lambda x, g, eps: norm(x, g, eps) + x.shape[0] * 1e-3)
     monkeypatch.setattr(R, "_CERTIFIED", {})
     assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == ()

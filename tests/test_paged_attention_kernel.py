@@ -131,23 +131,45 @@ def test_nan_in_unused_pages_never_reaches_output(backend):
     np.testing.assert_allclose(out, ref, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_row_bits_do_not_depend_on_q_len_or_the_batch(backend):
-    """Slot 0's row at position 60 gives the same bits decoded alone, as the last of 5 verify
-    rows among other slots' rows, and inside a prefill chunk that spans two query blocks."""
-    rng = np.random.default_rng(6)
-    kc, vc, tables = _cache(rng, [61, 90, 33], 16, 2)
+def _probe_row_bits(rng, kc, vc, tables, pos, **kw):
+    """Slot 0's row at ``pos`` (the same query) decoded alone, as the last of 5 verify rows
+    among other slots' rows, and inside a prefill chunk that spans two query blocks: its three
+    outputs."""
     q0 = rng.standard_normal((8, D)).astype(np.float32)
     got = []
-    for n, runs, at in [(1, [(0, 60, 1)], 0),
-                        (24, [(1, 80, 3), None, (0, 56, 5), (2, 30, 2)], 8),
-                        (40, [(2, 10, 6), (0, 47, 14), (1, 5, 3)], 19)]:
+    for n, runs, at in [(1, [(0, pos, 1)], 0),
+                        (24, [(1, 80, 3), None, (0, pos - 4, 5), (2, 30, 2)], 8),
+                        (40, [(2, 10, 6), (0, pos - 13, 14), (1, 5, 3)], 19)]:
         q, slots, positions = _rows(rng, runs, 8, n)
         q[at] = q0
-        assert (slots[at], positions[at]) == (0, 60)
+        assert (slots[at], positions[at]) == (0, pos)
         out = P.paged_attention_kernel(q, kc, vc, 1, tables, slots, positions, sm_scale=SCALE,
-                                       backend=backend, interpret=True)
+                                       interpret=True, **kw)
         got.append(np.asarray(out)[at])
+    return got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_bits_do_not_depend_on_q_len_or_the_batch(backend):
+    """Slot 0's row at position 60 gives the same bits alone, in a verify run and inside a
+    prefill chunk (``_probe_row_bits``)."""
+    rng = np.random.default_rng(6)
+    kc, vc, tables = _cache(rng, [61, 90, 33], 16, 2)
+    got = _probe_row_bits(rng, kc, vc, tables, 60, backend=backend)
+    assert all((x == got[0]).all() for x in got[1:])
+
+
+def test_gpu_kernel_split_over_the_keys_equals_reference_and_keeps_a_rows_bits():
+    """Flash-decoding with 64-key splits (one chunk each), so the rows here span 1 to 3 of
+    them: equal to the reference, and slot 0's row at position 150 the same bits alone, in a
+    verify run and inside a prefill chunk (its block then needing other split counts)."""
+    rng = np.random.default_rng(8)
+    kc, vc, tables = _cache(rng, [151, 190, 33], 16, 2)
+    runs = [(0, 147, 4), (1, 185, 5), None, (2, 20, 13)]
+    q, slots, positions = _rows(rng, runs, 8, 32)
+    out, ref = _both("triton", q, kc, vc, tables, slots, positions, kv_split=64)
+    np.testing.assert_allclose(out, ref, atol=1e-6, rtol=1e-6)
+    got = _probe_row_bits(rng, kc, vc, tables, 150, backend="triton", kv_split=64)
     assert all((x == got[0]).all() for x in got[1:])
 
 

@@ -189,7 +189,7 @@ def test_bad_request_ids(llm):
     (dict(enable_prefix_caching="no"), InvalidType, "enable_prefix_caching"),
     (dict(kv_cache_bytes=0), ValueError, "kv_cache_bytes"),
     (dict(attention="fast"), ValueError, "attention = 'fast'"),
-    (dict(matmul="cublas"), ValueError, "EngineConfig.matmul = 'cublas': must be one of None, 'interpret'"),
+    (dict(matmul="cublas"), ValueError, "EngineConfig.matmul = 'cublas': must be one of None, 'auto', 'interpret'"),
     (dict(dtype="int8"), ValueError, "dtype = 'int8'"),
     (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size = 0"),
     (dict(model=3), InvalidType, "model = 3"),

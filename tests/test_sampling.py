@@ -113,6 +113,39 @@ def test_kernel_equals_reference_in_interpret_mode():
     assert (np.asarray(K.sample(*args, impl="interpret")) == ref).all()
 
 
+def _np_log_softmax(x):
+    """Row by row on the host, so every call gets the same input rows."""
+    x = x.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    return (x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))).astype(np.float32)
+
+
+def test_the_row_kernels_equal_their_references_and_keep_a_rows_bits():
+    """logsumexp, the processed log-probabilities and the entropy, in interpret mode: equal to
+    the jnp references (f32, 1e-6), and a probe row's bytes the same in calls of any row count
+    (their reductions run inside fixed-shape programs of ``BLOCK_ROWS`` rows)."""
+    rng = np.random.default_rng(7)
+    v = 300
+    probe = (rng.standard_normal(v) * 3).astype(np.float32)
+    params = lambda r: (np.full(r, 0.7, np.float32), np.full(r, 40, np.int32),
+                        np.full(r, 0.9, np.float32), np.zeros(r, np.float32))
+    funcs = {"logsumexp": lambda x, impl: K.logsumexp(x, impl=impl),
+             "log_probs": lambda x, impl: K.log_probs(x, *params(x.shape[0]), impl=impl),
+             "entropy": lambda x, impl: K.entropy(_np_log_softmax(x), impl=impl)}
+    for name, f in funcs.items():
+        first = None
+        for r in (1, 8, 13, 160):
+            x = (rng.standard_normal((r, v)) * 3).astype(np.float32)
+            x[r - 1] = probe
+            got, ref = np.asarray(f(x, "interpret")), np.asarray(f(x, "reference"))
+            finite = np.isfinite(ref)
+            assert (np.isfinite(got) == finite).all(), name
+            assert np.abs(got[finite] - ref[finite]).max() <= 1e-6 * max(1.0, np.abs(ref[finite]).max()), name
+            row = got[r - 1].tobytes()
+            first = row if first is None else first
+            assert row == first, (name, r)
+
+
 def _lowering_args():
     r, v = 16, 1000
     return (jnp.zeros((r, v)), jnp.zeros((r, v), jnp.uint32), jnp.ones(r), jnp.zeros(r, jnp.int32),

@@ -58,7 +58,7 @@ class EngineConfig:
     sampler: str = "auto"                  # pallas_kernels.sampling.sample impl
     attention: str = "auto"                # pallas_kernels.paged_attention.paged_attention impl
     layer_loop: str = "auto"               # "scan" (stacked) | "unrolled" | "auto": unrolled on CPU
-    matmul: str | None = None              # None: row tiles; a pallas_kernels.matmul kernel impl
+    matmul: str | None = "auto"            # RunConfig.matmul: "auto", None (row tiles) or a kernel
     enable_prefix_caching: bool = True     # share full KV blocks across requests by content hash
     num_scheduler_steps: int = 8           # decode rounds per host call when every request decodes
     # CPU, one device: a step whose valid rows fit a tile of 2 or 4 runs in that tile, where it is
@@ -109,7 +109,7 @@ class Engine:
         tiles = lambda c, w: R.certified_tiles(w, c, config.row_tile, mesh=mesh,
                                                attention=config.attention,
                                                enabled=config.small_row_tiles
-                                               and config.matmul is None)
+                                               and R.kernel_for(config.matmul, cfg) is None)
         max_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) must be <= the model's "

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import sampling as kernels
 from pallas_kernels.sampling import argmax, gumbel_from_bits
 from sfjax import sampling
 
@@ -46,17 +47,19 @@ def exact(drafts, target, k):
     return accepted, target
 
 
-def typical(drafts, target, logp, k, greedy, threshold: float, alpha: float):
+def typical(drafts, target, logp, k, greedy, threshold: float, alpha: float,
+            impl: str = "reference"):
     """Medusa's typical acceptance (lossy): accept a draft whose target probability exceeds
     min(threshold, alpha * exp(-entropy)); the replacement at the first rejection is the target's
     argmax; after k accepted drafts the bonus is the target's sample. Greedy rows accept exactly
     the target's argmax, so at temperature 0 this is plain greedy decoding.
 
-    logp: float32 [S, K+1, V] the target's processed log-probabilities.
+    logp: float32 [S, K+1, V] the target's processed log-probabilities; ``impl``: the sampler's
+    (its row kernels sum the entropy, ``pallas_kernels.sampling.entropy``).
     """
     p = jnp.exp(logp[:, :-1])                                              # [S, K, V]
     p_draft = jnp.take_along_axis(p, drafts[..., None], axis=2)[..., 0]
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp[:, :-1], 0.0), axis=2)
+    entropy = kernels.entropy(logp[:, :-1], impl=impl)
     ok = p_draft > jnp.minimum(threshold, alpha * jnp.exp(-entropy))
     best = argmax(logp.reshape(-1, logp.shape[-1])).reshape(logp.shape[:2])  # [S, K+1]
     ok = jnp.where(greedy[:, None], drafts == best[:, :-1], ok)
@@ -142,7 +145,7 @@ def _target_rows(ctx, x):
 def _target_log_probs(ctx, logits):
     b = ctx.batch
     return _target_rows(ctx, sampling.log_probs(logits, ctx.sampling, ctx.history, b.num_logit_rows,
-                                                ctx.run.row_tile))
+                                                ctx.run.row_tile, ctx.run.sampler))
 
 
 def _report_emitted(ctx, logits, drawn, out):
@@ -208,7 +211,7 @@ class Typical:
                                                 + jnp.arange(s) * (ctx.k_max + 1)] == 0
         accepted, out = typical(drafts, _target_rows(ctx, drawn.tokens),
                                 _target_log_probs(ctx, logits), k, greedy, self.threshold,
-                                self.alpha)
+                                self.alpha, ctx.run.sampler)
         return accepted, out, _report_emitted(ctx, logits, drawn, out)
 
 

@@ -126,7 +126,7 @@ def _draft_model(dw, dcache, ctx, k_max: int):
         b = _rows(ctx.sampling, spec.verify_start + grow(jnp.arange(s) * (k_max + 1) + j, 0))
         n = jnp.sum(live)                                # live slots come first
         d = sampling.draw(lg, b, history, n, row_tile, False, sampler, role).tokens
-        logq = (sampling.log_probs(lg, b, history, n, row_tile)
+        logq = (sampling.log_probs(lg, b, history, n, row_tile, sampler)
                 if independent else jnp.zeros((sd, 1), jnp.float32))
         history = record_tokens(history, jnp.where(live & (j < k), slots, -1), length + j, d)
         return d, logq, history
