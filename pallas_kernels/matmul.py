@@ -6,7 +6,9 @@ input's RMSNorm as its prologue.
 blocks of W columns; the output is ``[M, U * W]``). The grid is (row blocks of ``block_m``,
 column blocks, the weights' column tiles one after another); each program computes one
 ``[block_m, block_n]`` tile of one weight's output, walking K in blocks of ``block_k`` in
-ascending order and accumulating ``[block_m, block_k] x [block_k, block_n]`` products in float32.
+ascending order and accumulating ``[block_m, block_k] x [block_k, block_n]`` products in float32
+(inside the program on GPU; on TPU over a last grid axis, so VMEM holds one weight block of
+``[block_k, block_n]`` at a time, ``vmem_bytes``).
 ``block_k`` and ``block_n`` follow from K, W and the backend alone (``schedule``), and
 ``block_m`` is fixed per backend, so a row's output is computed by the same sequence of the
 same-shaped products whatever M is, wherever the row sits, and whatever the other rows hold: its
@@ -39,6 +41,7 @@ BLOCK_M = {"triton": 16, "mosaic_tpu": 8, None: 8}
 MAX_BLOCK_K = 512
 MAX_BLOCK_N = 256
 TPU_LANES = 128
+MOSAIC_WEIGHT_BLOCK_BYTES = 4 * 2**20   # one weight block in VMEM, counted at float32
 KERNELS = ("interpret", "triton", "mosaic_tpu")     # the impls that run the kernel
 
 
@@ -53,19 +56,42 @@ def schedule(k: int, w: int, backend: str | None = None) -> tuple[int, int]:
     """(block_k, block_n) for a weight of K rows and W columns per block: the largest powers of
     two up to ``MAX_BLOCK_K`` / ``MAX_BLOCK_N`` that divide them; on TPU (Mosaic wants the last
     block dimension a multiple of 128 lanes or the whole array's) ``block_n`` is the largest
-    multiple of 128 up to 512 that divides W, or W itself. A function of the weight's shape and
+    multiple of 128 up to 512 that divides W, or W itself, and ``block_k`` is halved until a
+    float32 weight block fits ``MOSAIC_WEIGHT_BLOCK_BYTES``. A function of the weight's shape and
     the backend only."""
     block_k = _largest_power_of_two_dividing(k, MAX_BLOCK_K)
     if backend != "mosaic_tpu":
         return block_k, _largest_power_of_two_dividing(w, MAX_BLOCK_N)
     lanes = [b for b in range(TPU_LANES, 4 * TPU_LANES + 1, TPU_LANES) if w % b == 0]
-    return block_k, (max(lanes) if lanes else w)
+    block_n = max(lanes) if lanes else w
+    while block_k > 8 and block_k * block_n * 4 > MOSAIC_WEIGHT_BLOCK_BYTES:
+        block_k //= 2            # a whole-width block (a 7B head's 4000 columns): shorter in K
+    return block_k, block_n
 
 
-def fits(k: int, w: int, backend: str) -> bool:
-    """Whether a [K, W]-block weight has a schedule the backend can run: Triton's dot wants
-    blocks of at least 16 (a tiny test model's 8-column blocks are below it)."""
+# Mosaic's default scoped VMEM on TPU v5e (v6e: 32 MiB): the launch must hold its blocks in it
+MOSAIC_VMEM_BYTES = 16 * 2**20
+
+
+def vmem_bytes(k: int, widths, block_m: int = BLOCK_M["mosaic_tpu"], itemsize: int = 2) -> int:
+    """The VMEM a Mosaic launch holds for x [M, K] and weights of blocks [K, W] for W in
+    ``widths`` (elements of ``itemsize`` bytes): the row block of x, the norm weight, and per
+    weight one [block_k, block_n] block, one output block (each double-buffered) and a float32
+    accumulator (the K axis is walked on the grid)."""
+    total = 2 * block_m * k * itemsize + 2 * k * 4
+    for w in widths:
+        block_k, block_n = schedule(k, w, "mosaic_tpu")
+        total += 2 * block_k * block_n * itemsize + 2 * block_m * block_n * 4 + block_m * block_n * 4
+    return total
+
+
+def fits(k: int, w: int, backend: str, itemsize: int = 4) -> bool:
+    """Whether a [K, W]-block weight (elements of ``itemsize`` bytes) has a schedule the backend
+    can run: Triton's dot wants blocks of at least 16 (a tiny test model's 8-column blocks are
+    below it); Mosaic's blocks must fit its VMEM (``vmem_bytes``)."""
     block_k, block_n = schedule(k, w, backend)
+    if backend == "mosaic_tpu":
+        return vmem_bytes(k, (w,), itemsize=itemsize) <= MOSAIC_VMEM_BYTES
     return backend != "triton" or min(block_k, block_n) >= 16
 
 
@@ -92,12 +118,14 @@ def matmul_reference(x, w, out_dtype=None, norm=None):
     return o.reshape(x.shape[0], u * width).astype(out_dtype or x.dtype)
 
 
-def _kernel(n_ref, x_ref, *refs, tiles, block_k: int, steps: int, eps):
-    # x_ref [bm, K]; then (norm_ref [1, K]); the weights' refs [K, bn_i] (column block squeezed);
-    # the outputs' refs [bm, bn_i] (column block squeezed). Program (i, c, j) computes weight t's
-    # tile j - start_t, for the t whose tiles hold j.
+def _kernel(n_ref, x_ref, *refs, tiles, block_k: int, steps: int, eps, k_on_grid: bool):
+    # x_ref [bm, K]; then (norm_ref [1, K]); the weights' refs (column block squeezed): [K, bn_i],
+    # or with ``k_on_grid`` [block_k, bn_i] at K block program_id(3); the outputs' refs
+    # [bm, bn_i]; with ``k_on_grid`` a float32 accumulator [bm, bn_i] per weight. Program
+    # (i, c, j[, s]) computes weight t's tile j - start_t, for the t whose tiles hold j.
     norm_ref, refs = (refs[0], refs[1:]) if eps is not None else (None, refs)
-    w_refs, o_refs = refs[:len(tiles)], refs[len(tiles):]
+    w_refs, o_refs = refs[:len(tiles)], refs[len(tiles):2 * len(tiles)]
+    acc_refs = refs[2 * len(tiles):]
     bm = x_ref.shape[0]
     live = pl.program_id(0) * bm < n_ref[0]
     j = pl.program_id(2)
@@ -110,21 +138,38 @@ def _kernel(n_ref, x_ref, *refs, tiles, block_k: int, steps: int, eps):
         ss = lax.fori_loop(0, steps, step, jnp.zeros((bm, 1), jnp.float32))
         return lax.rsqrt(ss / x_ref.shape[1] + eps)
 
-    def product(w_ref, o_ref):
-        s = scale() if eps is not None else None
+    def term(s, w_block):
+        """K block s's product: [bm, block_k] (normed) x [block_k, bn], in float32."""
+        xb = x_ref[:, at(s)]
+        if eps is not None:
+            xb = rms_normed(xb, norm_ref[:, at(s)], eps, scale()).astype(xb.dtype)
+        return jnp.dot(xb, w_block, preferred_element_type=jnp.float32)
 
-        def step(i, acc):
-            xb = x_ref[:, at(i)]
-            if s is not None:
-                xb = rms_normed(xb, norm_ref[:, at(i)], eps, s).astype(xb.dtype)
-            return acc + jnp.dot(xb, w_ref[at(i), :], preferred_element_type=jnp.float32)
+    def product(w_ref, o_ref):
+        step = lambda i, acc: acc + term(i, w_ref[at(i), :])
         acc = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
         o_ref[...] = acc.astype(o_ref.dtype)
 
+    def product_step(w_ref, o_ref, acc_ref):
+        # the same sum as ``product``'s (0 + term 0 + term 1 + ...), one K block a grid step;
+        # the output block is written back once its index moves on, after the last K block
+        s = pl.program_id(3)
+
+        @pl.when(s == 0)
+        def _():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        acc_ref[...] = acc_ref[...] + term(s, w_ref[...])
+
+        @pl.when(s == steps - 1)
+        def _():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
     start = 0
-    for w_ref, o_ref, n_tiles in zip(w_refs, o_refs, tiles):
+    for t, (w_ref, o_ref, n_tiles) in enumerate(zip(w_refs, o_refs, tiles)):
         mine = (j >= start) & (j < start + n_tiles)
-        pl.when(mine & live)(functools.partial(product, w_ref, o_ref))
+        body = (functools.partial(product_step, w_ref, o_ref, acc_refs[t]) if k_on_grid
+                else functools.partial(product, w_ref, o_ref))
+        pl.when(mine & live)(body)
 
         @pl.when(mine & ~live)
         def _(o_ref=o_ref):
@@ -132,19 +177,22 @@ def _kernel(n_ref, x_ref, *refs, tiles, block_k: int, steps: int, eps):
         start += n_tiles
 
 
-def _pallas_call(kernel, grid, in_specs, out_specs, out_shape, backend, interpret):
-    """The launch for ``backend``: Mosaic gets the row count scalar-prefetched into SMEM and
-    walks the tile axis in order (a weight's output block is written back only when its index
-    moves on, after the program that computes it); Triton and the interpreter get it as a
-    plain ref."""
+def _pallas_call(kernel, grid, in_specs, out_specs, out_shape, backend, interpret, scratch=()):
+    """The launch for ``backend``: Mosaic gets the row count scalar-prefetched into SMEM, walks
+    the tile and K axes in order (a weight's output block is written back only when its index
+    moves on, after the program that computes it) and holds the accumulators in VMEM
+    (``scratch``); with ``interpret`` it runs in Pallas' TPU interpret mode. Triton and the
+    interpreter get the row count as a plain ref."""
     if backend == "mosaic_tpu":
         from jax.experimental.pallas import tpu as pltpu
         return pl.pallas_call(
             kernel, out_shape=out_shape, name="sfjax_matmul",
             grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid,
-                                                   in_specs=in_specs, out_specs=out_specs),
+                                                   in_specs=in_specs, out_specs=out_specs,
+                                                   scratch_shapes=scratch),
             compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel", "arbitrary", "arbitrary")))
+                dimension_semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1)),
+            interpret=pltpu.InterpretParams() if interpret else False)
     params = None
     if backend == "triton":
         from jax.experimental.pallas import triton as pltriton
@@ -162,7 +210,8 @@ def matmul_kernel(x, w, num_rows=None, norm_weight=None, *, eps: float | None = 
     tuple; ``norm`` as ``norm_weight`` and ``eps``), plus ``num_rows`` (traced: rows at or past it
     may be skipped by whole row blocks and come out zero; default all).
 
-    ``backend``: "triton" (GPU), "mosaic_tpu", or None (interpret mode). ``block_m``: the row
+    ``backend``: "triton" (GPU), "mosaic_tpu", or None (interpret mode); "mosaic_tpu" with
+    ``interpret``: the TPU kernel in Pallas' TPU interpret mode (on any machine). ``block_m``: the row
     block, by default ``BLOCK_M[backend]``; a row's bits are the same for every M at one
     ``block_m``, not across ``block_m``s.
     """
@@ -185,22 +234,39 @@ def matmul_kernel(x, w, num_rows=None, norm_weight=None, *, eps: float | None = 
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
     n = jnp.full((1,), m if num_rows is None else num_rows, jnp.int32)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    kernel = functools.partial(_kernel, tiles=tiles, block_k=block_k, steps=k // block_k, eps=eps)
-    grid = (mp // block_m, u, sum(tiles))
+    steps = k // block_k
+    # Mosaic walks K on the grid (one [block_k, bn] weight block in VMEM at a time: a 7B head's
+    # whole [K, bn] block is 32 MB); Triton and the interpreter loop over K inside a program
+    k_on_grid = backend == "mosaic_tpu"
+    kernel = functools.partial(_kernel, tiles=tiles, block_k=block_k, steps=steps, eps=eps,
+                               k_on_grid=k_on_grid)
+    grid = (mp // block_m, u, sum(tiles)) + ((steps,) if k_on_grid else ())
     # a weight's tile index, held at its first / last tile outside its own range of j: a block
-    # whose index doesn't change between grid steps is neither fetched nor written back again
+    # whose index doesn't change between grid steps is neither fetched nor written back again;
+    # its K block likewise (the first before its range, the last after it)
     tile = lambda j, t: jnp.clip(j - starts[t], 0, tiles[t] - 1)
+    kblock = lambda j, s, t: jnp.where(j < starts[t], 0,
+                                       jnp.where(j >= starts[t] + tiles[t], steps - 1, s))
     in_specs = [pl.BlockSpec((block_m, k), lambda i, c, j, *_: (i, 0))]
     args = [xp]
     if eps is not None:
         in_specs.append(pl.BlockSpec((1, k), lambda i, c, j, *_: (0, 0)))
         args.append(norm_weight.reshape(1, k))
-    in_specs += [pl.BlockSpec((None, k, bn), lambda i, c, j, *_, t=t: (c, 0, tile(j, t)))
-                 for t, bn in enumerate(block_n)]
+    if k_on_grid:
+        in_specs += [pl.BlockSpec((None, block_k, bn),
+                                  lambda i, c, j, s, *_, t=t: (c, kblock(j, s, t), tile(j, t)))
+                     for t, bn in enumerate(block_n)]
+    else:
+        in_specs += [pl.BlockSpec((None, k, bn), lambda i, c, j, *_, t=t: (c, 0, tile(j, t)))
+                     for t, bn in enumerate(block_n)]
     out_specs = [pl.BlockSpec((None, block_m, bn), lambda i, c, j, *_, t=t: (c, i, tile(j, t)))
                  for t, bn in enumerate(block_n)]
     out_shape = [jax.ShapeDtypeStruct((u, mp, a.shape[2]), out_dtype) for a in ws]
-    call = _pallas_call(kernel, grid, in_specs, out_specs, out_shape, backend, interpret)
+    scratch = ()
+    if k_on_grid:
+        from jax.experimental.pallas import tpu as pltpu
+        scratch = [pltpu.VMEM((block_m, bn), jnp.float32) for bn in block_n]
+    call = _pallas_call(kernel, grid, in_specs, out_specs, out_shape, backend, interpret, scratch)
     outs = call(n, *args, *ws)
     outs = tuple(jnp.moveaxis(o[:, :m], 0, 1).reshape(m, -1) for o in outs)   # [M, U * W]
     return outs if isinstance(w, (tuple, list)) else outs[0]

@@ -134,6 +134,7 @@ def main() -> None:
     ops = collections.Counter(re.findall(r"(?:stablehlo|func|sdy)\.[a-z_]+", text))
     print(f"lowered in {seconds:.1f} s of CPU: {sum(ops.values())} ops, "
           f"{ops['stablehlo.dot_general']} dot_general, {ops['stablehlo.while']} while, "
+          f"{ops['stablehlo.if'] + ops['stablehlo.case']} conditionals, "
           f"{ops['stablehlo.custom_call']} custom calls")
 
 

@@ -227,8 +227,11 @@ def _penalize(logits, b: SamplingBatch, history):
     return logits - b.frequency[:, None] * counts - b.presence[:, None] * (counts > 0)
 
 
-def process(logits, b: SamplingBatch, history):
-    """Logit bias, allowed ids, min_tokens suppression and penalties; float32 [T, V]."""
+def process(logits, b: SamplingBatch, history, branch_free: bool = False):
+    """Logit bias, allowed ids, min_tokens suppression and penalties; float32 [T, V]. Each is
+    skipped by a ``lax.cond`` when no row asks for it, or with ``branch_free`` (the accelerator
+    path: no control flow in the step) applied to every row, which leaves a row that asks for
+    none of them unchanged, bit for bit (adds of 0, a division by a repetition of 1)."""
     rows = jnp.arange(logits.shape[0])[:, None]
     v = logits.shape[1]
     restricted = jnp.any(b.allowed >= 0, axis=1, keepdims=True)
@@ -240,20 +243,25 @@ def process(logits, b: SamplingBatch, history):
         x = jnp.where(restricted & ~allow, -jnp.inf, x)
         return _mask_ids(x, b.suppress, -jnp.inf)
 
+    penalize = lambda x: _penalize(x, b, history)
+    if branch_free:
+        return penalize(masks(logits))
     any_mask = jnp.any(b.bias_ids >= 0) | jnp.any(restricted) | jnp.any(b.suppress >= 0)
     logits = lax.cond(any_mask, masks, lambda x: x, logits)
     penalized = (b.presence != 0) | (b.frequency != 0) | (b.repetition != 1)
-    return lax.cond(jnp.any(penalized), lambda x: _penalize(x, b, history), lambda x: x, logits)
+    return lax.cond(jnp.any(penalized), penalize, lambda x: x, logits)
 
 
 def _draw_tile(raw, b: SamplingBatch, history, with_logprobs, impl, role=ROLE_TARGET):
     """One tile (or, with the row kernels, all rows): process, draw, and (optionally) raw
-    logprobs."""
-    x = process(raw, b, history)
+    logprobs. With the row kernels (the accelerator path) nothing is skipped by a branch: a
+    greedy row ignores its noise."""
+    branch_free = kernels.runs_kernel(impl)
+    x = process(raw, b, history, branch_free)
     v = raw.shape[1]
-    sampled = (b.temperature > 0)
-    bits = lax.cond(jnp.any(sampled), lambda: noise_bits(b.key_data, b.position, v, role),
-                    lambda: jnp.zeros(raw.shape, jnp.uint32))
+    noise = lambda: noise_bits(b.key_data, b.position, v, role)
+    bits = noise() if branch_free else lax.cond(
+        jnp.any(b.temperature > 0), noise, lambda: jnp.zeros(raw.shape, jnp.uint32))
     tokens = kernels.sample(x, bits, b.temperature, b.top_k, b.top_p, b.min_p, impl=impl)
     target = jnp.where(b.target >= 0, b.target, tokens)
     return Drawn(tokens, *raw_logprobs(raw, target, with_logprobs, impl))
@@ -261,7 +269,8 @@ def _draw_tile(raw, b: SamplingBatch, history, with_logprobs, impl, role=ROLE_TA
 
 def raw_logprobs(raw, target, wanted, impl: str = "reference"):
     """(logprob of ``target``, its 1-based rank, top-20 ids, top-20 logprobs) of the raw logits,
-    computed only if ``wanted`` (a traced bool)."""
+    computed only if ``wanted`` (a traced bool; zeros if not): with the row kernels computed
+    anyway and selected (no branch in the step)."""
     def compute():
         lp = raw - kernels.logsumexp(raw, impl=impl)[:, None]
         tok = jnp.take_along_axis(lp, target[:, None], axis=1)[:, 0]
@@ -272,6 +281,8 @@ def raw_logprobs(raw, target, wanted, impl: str = "reference"):
     r = raw.shape[0]
     empty = lambda: (jnp.zeros((r,), jnp.float32), jnp.zeros((r,), jnp.int32),
                      jnp.zeros((r, MAX_LOGPROBS), jnp.int32), jnp.zeros((r, MAX_LOGPROBS), jnp.float32))
+    if kernels.runs_kernel(impl):
+        return tuple(jnp.where(wanted, a, z) for a, z in zip(compute(), empty()))
     return lax.cond(wanted, compute, empty)
 
 
@@ -301,6 +312,6 @@ def log_probs(logits, batch: SamplingBatch, history, num_rows, row_tile: int,
     """The processed distribution each row draws from, as log-probabilities [R, V] (a point mass
     for greedy rows); what rejection sampling and typical acceptance compare."""
     def fn(raw, b):
-        return kernels.log_probs(process(raw, b, history), b.temperature, b.top_k, b.top_p,
-                                 b.min_p, impl=impl)
+        return kernels.log_probs(process(raw, b, history, kernels.runs_kernel(impl)),
+                                 b.temperature, b.top_k, b.top_p, b.min_p, impl=impl)
     return _over_rows(fn, logits, batch, num_rows, row_tile, impl)

@@ -75,7 +75,36 @@ def test_the_schedule_follows_the_weight_shape_alone():
     # Mosaic: a multiple of 128 lanes, or the whole block's width
     assert MM.schedule(4096, 512, "mosaic_tpu") == (512, 512)
     assert MM.schedule(4096, 1376, "mosaic_tpu") == (512, 1376)
-    assert MM.schedule(4096, 4000, "mosaic_tpu") == (512, 4000)
+    # a whole-width block (Llama-2-7B's head, 4000 columns a block): shorter in K, to fit VMEM
+    assert MM.schedule(4096, 4000, "mosaic_tpu") == (256, 4000)
+    for k, w in [(4096, 512), (4096, 1376), (11008, 512), (4096, 4000)]:    # Llama-2-7B's blocks
+        for size in (2, 4):
+            assert MM.fits(k, w, "mosaic_tpu", size)
+            assert MM.vmem_bytes(k, (w,), itemsize=size) <= MM.MOSAIC_VMEM_BYTES
+
+
+def test_the_tpu_kernel_walks_k_on_the_grid():
+    """Mosaic's launch (K on its last grid axis, a float32 accumulator in VMEM), run in Pallas'
+    TPU interpret mode: fused weights with the norm prologue over three K blocks equal the
+    product, give the generic kernel's bytes (the same sum in the same order), and skip the row
+    blocks past num_rows."""
+    rng = np.random.default_rng(5)
+    k = 1536                                    # three K blocks of 512
+    ws = tuple(_weights(rng, jnp.float32, k=k, u=2, w=w) for w in (256, 128))
+    norm = jnp.asarray(rng.standard_normal(k), jnp.float32)
+    assert MM.schedule(k, 256, "mosaic_tpu")[0] == 512
+    for m, n in [(1, 1), (13, 13), (40, 9)]:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        tpu = MM.matmul_kernel(x, ws, n, norm, eps=1e-5, backend="mosaic_tpu", interpret=True)
+        generic = MM.matmul_kernel(x, ws, n, norm, eps=1e-5, interpret=True)
+        ref = MM.matmul_reference(x, ws, None, (norm, 1e-5))
+        live = -(-n // 8) * 8                   # rows of the row blocks holding rows 0..n-1
+        for a, b, r in zip(tpu, generic, ref):
+            a, b, r = np.asarray(a), np.asarray(b), np.asarray(r)
+            # f32 rounding grows with sqrt(K): 1536 terms, 5x the tolerance of 64 (above)
+            assert np.abs(a[:n] - r[:n]).max() <= 5e-6 * np.abs(r).max()
+            assert a.tobytes() == b.tobytes()
+            assert (a[live:] == 0).all()
 
 
 FUSED = (24, 8, 8)           # the tiny model's q|k|v blocks (GQA: k and v narrower)
@@ -176,6 +205,11 @@ def test_engine_with_the_kernel_is_exact(tiny_folder, dtype, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=10, ignore_eos=True)
               for i in range(32)]
+    # a few with the processors too, beside rows with none (the kernel path has no branches)
+    for i in (3, 4):
+        params[i] = SamplingParams(temperature=0.8 * (i % 2 == 0), seed=i, max_tokens=10,
+                                   ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.3,
+                                   logit_bias={5: 2.0, 9: -3.0}, logprobs=2)
     # the sampler's row kernels too: every logit row of a call at once, as on an accelerator
     geometry = dict(dtype=dtype, matmul="interpret", sampler="interpret", max_num_seqs=32,
                     max_model_len=32)
@@ -183,7 +217,7 @@ def test_engine_with_the_kernel_is_exact(tiny_folder, dtype, monkeypatch):
     plain = LLM(tiny_folder, **geometry)
     batch = ids(plain.generate(prompts, params, use_tqdm=False))
     assert traced, "the engine did not run the kernel"
-    for i in (0, 1, 31):
+    for i in (0, 1, 3, 4, 31):
         assert ids(plain.generate(prompts[i:i + 1], params[i:i + 1], use_tqdm=False)) == [batch[i]]
     spec = LLM(tiny_folder, **geometry, speculative_config={"method": "ngram",
                                                            "num_speculative_tokens": 3})

@@ -1,5 +1,6 @@
 """Sampling: counter keys, distribution exactness, processors against vLLM's rules, the kernel."""
 
+import dataclasses
 import functools
 
 import jax
@@ -218,6 +219,21 @@ def test_penalties_bias_and_allowed_follow_vllm():
         counts = np.bincount(out, minlength=v)
         x = x - b.frequency[i] * counts - b.presence[i] * (counts > 0)
         np.testing.assert_allclose(got[i], x, rtol=1e-6, atol=1e-5)
+    # the accelerator path applies every processor to every row, with no branch: the same bits
+    same = np.asarray(S.process(jnp.asarray(logits), b, jnp.asarray(history), branch_free=True))
+    assert same.tobytes() == got.tobytes()
+    # rows that ask for none of them come out as they went in, bit for bit, beside rows that do
+    off = dict(presence=np.zeros(r, np.float32), frequency=np.zeros(r, np.float32),
+               repetition=np.ones(r, np.float32), suppress=np.full((r, 2), -1, np.int32),
+               bias_ids=np.full((r, 2), -1, np.int32), allowed=np.full((r, 3), -1, np.int32))
+    half = {k: np.where(np.arange(r).reshape(-1, *[1] * (v.ndim - 1)) < 4, v, getattr(b, k))
+            for k, v in off.items()}
+    for fields in (off, half):
+        c = dataclasses.replace(b, **fields)
+        plain = np.asarray(S.process(jnp.asarray(logits), c, jnp.asarray(history)))
+        free = np.asarray(S.process(jnp.asarray(logits), c, jnp.asarray(history), branch_free=True))
+        assert free.tobytes() == plain.tobytes()
+        assert free[:4].tobytes() == logits[:4].tobytes()
 
 
 # ------------------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def _report_emitted(ctx, logits, drawn, out):
     from the target's draws."""
     start, k1 = ctx.spec.verify_start, ctx.k_max + 1
     rows = lax.dynamic_slice_in_dim(logits, start, out.shape[0] * k1)
-    new = sampling.raw_logprobs(rows, out.reshape(-1), ctx.batch.with_logprobs)
+    new = sampling.raw_logprobs(rows, out.reshape(-1), ctx.batch.with_logprobs, ctx.run.sampler)
     put = lambda old, v: lax.dynamic_update_slice_in_dim(old, v.astype(old.dtype), start, 0)
     return sampling.Drawn(drawn.tokens, *[put(o, v) for o, v in zip(
         (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs), new)])
