@@ -52,19 +52,25 @@ def _abstract_cache(cfg, blocks=256):
     return KVCache(k=a, v=a)
 
 
+def _state(cfg) -> DeviceState:
+    table = sampling.Sampling.placed(
+        [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=64)] * SLOTS,
+        [(0, 1)] * SLOTS, [64] * SLOTS, eos_token_ids=(2,))
+    tables = np.arange(SLOTS * MAX_LEN // BLOCK, dtype=np.int32).reshape(SLOTS, -1) % 256
+    return DeviceState(cache=_abstract_cache(cfg),
+                       history=jax.ShapeDtypeStruct((SLOTS, MAX_LEN), jnp.int32),
+                       block_tables=tables, table=table)
+
+
 def _batch(k1: int) -> StepBatch:
     n = SLOTS * k1                       # one decode row, or k + 1 verify rows, per slot
     i32 = lambda x: np.asarray(x, np.int32)
     slot = np.repeat(np.arange(SLOTS), k1)
-    table = sampling.Sampling.placed(
-        [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=64)] * SLOTS,
-        [(0, 1)] * SLOTS, [64] * SLOTS, eos_token_ids=(2,))
     draws = sampling.Draws(slot=i32(slot), seq_pos=i32(np.full(n, 99)), prompt_len=i32(np.full(n, 50)),
                            target=i32(np.full(n, -1)))
     return StepBatch(tokens=i32(np.ones(n)), positions=i32(np.full(n, 99)), slots=i32(slot),
-                     block_tables=i32(np.arange(SLOTS * MAX_LEN // BLOCK).reshape(SLOTS, -1) % 256),
                      logit_rows=i32(np.arange(n)), num_logit_rows=np.int32(n),
-                     with_logprobs=np.bool_(False), draws=draws, table=table)
+                     with_logprobs=np.bool_(False), draws=draws)
 
 
 def _spec_batch() -> SpecBatch:
@@ -94,8 +100,7 @@ def round_args(impl: str | None, num_layers: int = 32, method: str | None = None
             spec.update(method="ngram", acceptance_method="typical_acceptance_sampler")
     run = RunConfig(cfg, MAX_LEN, speculative_config=spec, block_size=BLOCK, layer_loop="scan",
                     attention=impl, sampler=impl, matmul=impl if matmul == "same" else matmul)
-    state = DeviceState(cache=_abstract_cache(cfg), history=jax.ShapeDtypeStruct((SLOTS, MAX_LEN), jnp.int32))
-    args = (_abstract_weights(cfg), dw, state, dcache, _batch(1 if spec is None else K + 1),
+    args = (_abstract_weights(cfg), dw, _state(cfg), dcache, _batch(1 if spec is None else K + 1),
             None if spec is None else _spec_batch())
     return args, run
 

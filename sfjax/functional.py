@@ -204,11 +204,10 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     r = _tiles(s, cfg.row_tile)
     logit_rows = jnp.concatenate([first + jnp.maximum(prompt_lens - 1, 0),
                                   jnp.zeros(r - s, jnp.int32)])
-    batch = StepBatch(tokens=tokens, positions=positions, slots=slots, block_tables=st.block_tables,
-                      logit_rows=logit_rows, num_logit_rows=jnp.int32(s), with_logprobs=jnp.bool_(False),
-                      draws=_draws(rows, prompt_lens, prompt_lens, 1, r), table=st.sampling)
-    dev, _, drawn, _ = round_step(w, None, DeviceState(st.cache, st.history), None, batch, None,
-                                  run=cfg.plain())
+    batch = StepBatch(tokens=tokens, positions=positions, slots=slots, logit_rows=logit_rows,
+                      num_logit_rows=jnp.int32(s), with_logprobs=jnp.bool_(False),
+                      draws=_draws(rows, prompt_lens, prompt_lens, 1, r))
+    dev, _, drawn, _ = round_step(w, None, device_state(st), None, batch, None, run=cfg.plain())
     dcache = st.draft_cache
     if cfg.draft is not None:   # the draft's cache gets the same prompt rows
         _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables, cfg.draft,
@@ -218,6 +217,12 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
     one = live.astype(jnp.int32)
     return _commit(st, rows, live, drawn.tokens[:s, None], one, zeros_b, zeros_b, dev.history)
+
+
+def device_state(st: State) -> DeviceState:
+    """The round's view of ``st`` (row b is slot b): its pages, tokens, blocks and settings."""
+    return DeviceState(cache=st.cache, history=st.history, block_tables=st.block_tables,
+                       table=st.sampling)
 
 
 def _round(w, dw, st: State, cfg: Config) -> State:
@@ -238,13 +243,12 @@ def _round(w, dw, st: State, cfg: Config) -> State:
     put = lambda fill, x: jnp.full(n, fill, jnp.int32).at[first].set(x, mode="drop")
     batch = StepBatch(
         tokens=put(0, last), positions=put(-1, jnp.where(live, length - 1, -1)),
-        slots=put(-1, slot), block_tables=st.block_tables,
+        slots=put(-1, slot),
         logit_rows=jnp.concatenate([jnp.where(rows < n, rows, 0), jnp.arange(s * k1, r)]),
         num_logit_rows=n_live * k1, with_logprobs=jnp.bool_(False),
-        draws=_draws(order, length, plen, k1, r), table=st.sampling)
+        draws=_draws(order, length, plen, k1, r))
     sb = None if spec is None else _spec_batch(st, cfg, order, live, length, plen, last, first)
-    dev, dcache, drawn, v = round_step(w, dw, DeviceState(st.cache, st.history), st.draft_cache,
-                                       batch, sb, run=cfg)
+    dev, dcache, drawn, v = round_step(w, dw, device_state(st), st.draft_cache, batch, sb, run=cfg)
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
     if v is None:
         zero = jnp.zeros(s, jnp.int32)

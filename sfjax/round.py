@@ -76,6 +76,7 @@ class Context:
     spec: SpecBatch
     sampling: sampling.SamplingBatch   # the logit rows' (``sampling.rows`` of the batch's draws)
     history: jax.Array
+    block_tables: jax.Array            # int32 [max_seqs, max_blocks] (the state's)
     k_max: int
     compares_distributions: bool   # the rule compares the draft's distribution (rejection)
     run: Any                       # the ``run.RunConfig``
@@ -110,12 +111,12 @@ def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: S
     """
     cfg, rc, row_tile, mesh = run.model, run.round, run.row_tile, run.mesh
     history = replicated(record_tokens(state.history, batch.slots, batch.positions, batch.tokens), mesh)
-    draws = sampling.rows(batch.table, batch.draws)
+    draws = sampling.rows(state.table, batch.draws)
     tokens, positions, slots = batch.tokens, batch.positions, batch.slots
     if rc is not None:
         k1 = rc.k_max + 1
         live = spec.slots >= 0
-        ctx = Context(batch, spec, draws, history, rc.k_max, rc.rule.compares_distributions, run)
+        ctx = Context(batch, spec, draws, history, state.block_tables, rc.k_max, rc.rule.compares_distributions, run)
         drafts, k, logq, draft_cache = rc.proposer.propose(ctx, draft_weights, draft_cache)
         k = jnp.where(live, k, 0)
         # fill the verify rows: drafts past a slot's k become padding
@@ -127,20 +128,20 @@ def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: S
         slots = slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop")
         history = replicated(record_tokens(history, slots, positions, tokens), mesh)
     hidden, cache = model.forward(weights, state.cache, tokens, positions, slots,
-                                  batch.block_tables, cfg, row_tile, small_tiles=run.small_tiles,
+                                  state.block_tables, cfg, row_tile, small_tiles=run.small_tiles,
                                   matmul=run.matmul, attention=run.attention, mesh=mesh)
     logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, row_tile,
                                      batch.num_logit_rows, small_tiles=run.small_tiles,
                                      matmul=run.matmul, mesh=mesh), mesh)
     drawn = sampling.draw(logits, draws, history, batch.num_logit_rows, row_tile,
                           batch.with_logprobs, run.sampler)
-    state = DeviceState(cache=keep_cache_sharding(cache, cfg, mesh), history=history)
+    state = dataclasses.replace(state, cache=keep_cache_sharding(cache, cfg, mesh), history=history)
     if rc is None:
         return state, draft_cache, replicated(drawn, mesh), None
     accepted, out, drawn = rc.rule.accept(dataclasses.replace(ctx, history=history), drafts, k,
                                           logq, logits, drawn)
     emitted = accept.truncate_at_stops(out, accepted, *accept.left(
-        batch.table, spec.slots, spec.length, spec.prompt_len, history.shape[1]))
+        state.table, spec.slots, spec.length, spec.prompt_len, history.shape[1]))
     verified = Verified(accepted=jnp.where(live, accepted, 0), tokens=out,
                         emitted=jnp.where(live, emitted, 0), drafted=k)
     return state, draft_cache, *replicated((drawn, verified), mesh)

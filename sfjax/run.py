@@ -27,6 +27,21 @@ from sfjax.spec.config import SpeculativeConfig
 MATMUL_KERNELS = (None, "auto", *KERNELS)
 
 
+def check_settings(owner: str, *, block_size: int, row_tile: int, sampler: str, layer_loop: str,
+                   attention: str, matmul: str | None) -> None:
+    """The rule for the settings a program is specialised on, wherever they are given
+    (``RunConfig``, and the engine's ``EngineConfig`` before any model is read): a ValueError
+    (TypeError for a wrong type) naming ``owner.field`` and what it allows."""
+    f = lambda name: f"{owner}.{name}"
+    C.integer(f("block_size"), block_size, 1)
+    validate_block_size(block_size)
+    C.integer(f("row_tile"), row_tile, 1)
+    C.text(f("sampler"), sampler)
+    C.one_of(f("layer_loop"), layer_loop, model.LAYER_LOOPS)
+    C.one_of(f("attention"), attention, ATTENTION_IMPLS)
+    C.one_of(f("matmul"), matmul, MATMUL_KERNELS)
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -85,13 +100,9 @@ class RunConfig:
         C.integer(f("max_model_len"), self.max_model_len, 2, self.model.max_position_embeddings,
                   allowed=f"an int in [2, the model's max_position_embeddings "
                           f"({self.model.max_position_embeddings})]")
-        C.integer(f("block_size"), self.block_size, 1)
-        validate_block_size(self.block_size)
-        C.integer(f("row_tile"), self.row_tile, 1)
-        C.text(f("sampler"), self.sampler)
-        C.one_of(f("layer_loop"), self.layer_loop, model.LAYER_LOOPS)
-        C.one_of(f("attention"), self.attention, ATTENTION_IMPLS)
-        C.one_of(f("matmul"), self.matmul, MATMUL_KERNELS)
+        check_settings("RunConfig", block_size=self.block_size, row_tile=self.row_tile,
+                       sampler=self.sampler, layer_loop=self.layer_loop,
+                       attention=self.attention, matmul=self.matmul)
         object.__setattr__(self, "matmul", rows.kernel_for(self.matmul, self.model, *(
             [self.draft] if self.draft is not None else [])))
         for name in ("small_tiles", "draft_small_tiles"):

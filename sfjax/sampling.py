@@ -108,22 +108,20 @@ class Sampling:
     @classmethod
     def placed(cls, params: Sequence[SamplingParams], key_data, max_tokens, *,
                eos_token_ids: Sequence[int], rows: Sequence[int] | None = None,
-               num_rows: int | None = None) -> "Sampling":
+               num_rows: int | None = None, widths: tuple[int, int, int] | None = None) -> "Sampling":
         """The table (numpy) with ``params[i]`` (its request key data and its resolved
         ``max_tokens``) at row ``rows[i]`` (default i) of ``num_rows`` (default len(params));
         other rows are inert: greedy, no penalties, no stop ids, max_tokens 0. Unchecked
         (``from_params`` checks; the engine's requests are checked at admission). The id lists
-        are padded to ``rows.bucket``s of 4 * 2**j, so few shapes compile."""
+        (stop ids, logit_bias, allowed ids) are ``widths`` wide, by default ``list_widths``'."""
         rows = list(range(len(params))) if rows is None else list(rows)
         n = len(params) if num_rows is None else num_rows
-        stops = [([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)
-                 for p in params]
-        biases = [sorted((p.logit_bias or {}).items()) for p in params]
-        allowed = [list(p.allowed_token_ids or []) for p in params]
-        ids = lambda lists, fill, dtype: np.full(
-            (n, bucket(max(map(len, lists), default=0), 4)), fill, dtype)
-        stop_ids, bias_ids, bias = ids(stops, -1, np.int32), ids(biases, -1, np.int32), ids(biases, 0, np.float32)
-        allowed_ids = ids(allowed, -1, np.int32)
+        stops, biases, allowed = _lists(params, eos_token_ids)
+        widths = widths or _widths((stops, biases, allowed))
+        ids = lambda w, fill, dtype: np.full((n, w), fill, dtype)
+        stop_ids, bias_ids, bias = (ids(widths[0], -1, np.int32), ids(widths[1], -1, np.int32),
+                                    ids(widths[1], 0, np.float32))
+        allowed_ids = ids(widths[2], -1, np.int32)
         f32, i32 = (lambda v: np.full(n, v, np.float32)), (lambda v: np.full(n, v, np.int32))
         b = dict(temperature=f32(0), top_k=i32(0), top_p=f32(1), min_p=f32(0), presence=f32(0),
                  frequency=f32(0), repetition=f32(1), key_data=np.zeros((n, 2), np.uint32),
@@ -140,6 +138,24 @@ class Sampling:
             bias[r, :len(bs)] = [max(-100.0, min(100.0, v)) for _, v in bs]
             allowed_ids[r, :len(al)] = al
         return cls(**b, stop_ids=stop_ids, bias_ids=bias_ids, bias=bias, allowed=allowed_ids)
+
+
+def _lists(params: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> tuple[list, list, list]:
+    """Per request its stop ids (EOS unless ignored, then stop_token_ids), its sorted
+    logit_bias items and its allowed ids."""
+    return ([([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids) for p in params],
+            [sorted((p.logit_bias or {}).items()) for p in params],
+            [list(p.allowed_token_ids or []) for p in params])
+
+
+def list_widths(params: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> tuple[int, int, int]:
+    """The widths of a table's id lists holding ``params``' (stop ids, logit_bias, allowed ids):
+    ``rows.bucket``s of 4 * 2**j, so few shapes compile."""
+    return _widths(_lists(params, eos_token_ids))
+
+
+def _widths(lists) -> tuple[int, int, int]:
+    return tuple(bucket(max(map(len, x), default=0), 4) for x in lists)
 
 
 @jax.tree_util.register_dataclass

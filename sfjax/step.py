@@ -19,9 +19,13 @@ from sfjax.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DeviceState:
-    """What lives on the device between steps (donated through each step)."""
+    """What lives on the device between steps (donated through each step): the KV pages and,
+    per slot, its tokens, its block table and its request's sampling settings. The host sends
+    only what changed (``update_slots``; ``sfjax.engine.slots``)."""
     cache: KVCache
     history: jax.Array       # int32 [max_seqs, max_model_len]: each slot's tokens by position
+    block_tables: jax.Array  # int32 [max_seqs, max_blocks]: each slot's pages
+    table: sampling.Sampling  # [max_seqs] each slot's request's sampling settings
 
 
 @jax.tree_util.register_dataclass
@@ -31,12 +35,10 @@ class StepBatch:
     tokens: jax.Array          # int32 [N]
     positions: jax.Array       # int32 [N]; -1 for padding
     slots: jax.Array           # int32 [N]; -1 for padding
-    block_tables: jax.Array    # int32 [max_seqs, max_blocks]
     logit_rows: jax.Array      # int32 [R] rows of N whose logits are taken (padding: 0)
     num_logit_rows: jax.Array  # int32 scalar: the real ones come first
     with_logprobs: jax.Array   # bool scalar: compute raw logprobs this step
     draws: sampling.Draws      # [R] which slot and position each logit row draws at
-    table: sampling.Sampling   # [max_seqs] each slot's request's sampling settings
 
 
 def record_tokens(history, slots, positions, tokens):
@@ -66,4 +68,14 @@ def write_history(state: DeviceState, slot, row, n) -> DeviceState:
     DONATES ``state``."""
     keep = jnp.arange(state.history.shape[1]) < n
     history = state.history.at[slot].set(jnp.where(keep, row, state.history[slot]))
-    return DeviceState(cache=state.cache, history=history)
+    return dataclasses.replace(state, history=history)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def update_slots(state: DeviceState, slots, block_rows, table_rows: sampling.Sampling) -> DeviceState:
+    """Sets the block table and sampling rows of ``slots`` (int32 [U]; an index past the last
+    slot is padding, dropped) to ``block_rows`` [U, max_blocks] and ``table_rows`` [U].
+    DONATES ``state``."""
+    put = lambda x, rows: x.at[slots].set(rows, mode="drop")
+    return dataclasses.replace(state, block_tables=put(state.block_tables, block_rows),
+                               table=jax.tree.map(put, state.table, table_rows))

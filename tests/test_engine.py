@@ -1,9 +1,11 @@
 """The engine end to end on a tiny model: batching, block sizes, stops, preemption, bad input."""
 
+import dataclasses
 import json
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -115,6 +117,60 @@ def test_max_model_len_ends_with_length(llm):
     out = llm.generate({"prompt_token_ids": [5] * 250}, SamplingParams(temperature=0, max_tokens=6),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def _device_rows_follow_the_host(eng):
+    """The live slots' block tables and sampling rows on the device are the host's, bit for bit."""
+    running = eng.scheduler.running
+    tables, table = jax.device_get((eng.state.block_tables, eng.state.table))
+    widths = (table.stop_ids.shape[1], table.bias.shape[1], table.allowed.shape[1])
+    fresh = eng.batches.table(running, widths=widths)
+    for req in running:
+        assert (tables[req.slot] == eng.block_tables[req.slot]).all()
+        for got, want in zip(jax.tree.leaves(table), jax.tree.leaves(fresh)):
+            assert got[req.slot].tobytes() == want[req.slot].tobytes()
+
+
+def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
+    """Block tables and sampling rows stay on the device between calls (sfjax.engine.slots):
+    after every step the live slots' rows there are the host's; a call in which no slot's blocks
+    or request changed sends nothing; a request with longer id lists widens the table and its end
+    narrows it again; and a slot reused after a request with logit_bias, allowed ids and
+    penalties gives the next request exactly its own tokens."""
+    eng = llm.engine
+    prompts = _prompts(3, seed=11)
+    plain = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    wide = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True,
+                          presence_penalty=1.5, repetition_penalty=1.3,
+                          logit_bias={t: 5.0 for t in range(10, 16)},
+                          allowed_token_ids=list(range(8, 60)))
+    sent, update = [], eng.programs.update_slots
+    eng.programs = dataclasses.replace(
+        eng.programs, update_slots=lambda state, slots, *rows: sent.append(slots) or update(
+            state, slots, *rows))
+    try:
+        eng.add_request("wide", prompts[0], wide)
+        slot, calls, widths = None, 0, set()
+        while eng.has_unfinished_requests():
+            eng.step()
+            calls += 1
+            if "wide" in eng.requests:
+                slot = eng.requests["wide"].slot
+            widths.add(jax.device_get(eng.state.table.bias).shape[1])
+            _device_rows_follow_the_host(eng)
+        assert widths == {8} and 0 < len(sent) < calls   # 40 tokens in 8-round calls, 16-token blocks
+        for i, p in enumerate(prompts):                  # each lands in the freed slot
+            eng.add_request(f"after-{i}", p, GREEDY)
+            got = None
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    got = out.outputs[0].token_ids if out.finished else got
+                assert eng.requests[f"after-{i}"].slot == slot if f"after-{i}" in eng.requests else True
+                _device_rows_follow_the_host(eng)
+            assert got == plain[i]
+        assert jax.device_get(eng.state.table.bias).shape[1] == 4
+    finally:
+        eng.programs = dataclasses.replace(eng.programs, update_slots=update)
 
 
 def test_blocks_are_freed_when_requests_finish_or_abort(llm):

@@ -97,11 +97,10 @@ def spec_batch(plan, spec_k, verify_row, draft, n_slots: int, n_draft: int,
 class BatchBuilder:
     """Builds a step's batch from the scheduler's plan, on the host."""
 
-    def __init__(self, *, row_tile: int, max_model_len: int, dp: int, block_tables: np.ndarray,
+    def __init__(self, *, row_tile: int, max_model_len: int, dp: int, num_slots: int,
                  eos_token_ids: frozenset[int], shard_of: Callable[[int], int]):
         self.row_tile, self.max_model_len, self.dp = row_tile, max_model_len, dp
-        self.num_slots = block_tables.shape[0]
-        self.block_tables = block_tables          # the scheduler's, updated in place
+        self.num_slots = num_slots
         self.eos_token_ids = eos_token_ids
         self.shard_of = shard_of                  # slot -> data shard
 
@@ -145,10 +144,9 @@ class BatchBuilder:
         logprobs = any(req is not None and (req.params.logprobs is not None or pos >= 0)
                        for req, pos, _ in meta)
         batch = StepBatch(
-            tokens=tokens, positions=positions, slots=slots,
-            block_tables=self.block_tables.copy(), logit_rows=pad(all_rows, r, 0),
+            tokens=tokens, positions=positions, slots=slots, logit_rows=pad(all_rows, r, 0),
             num_logit_rows=np.int32(real), with_logprobs=np.bool_(logprobs),
-            draws=self.draws(meta, r), table=self.table([s.request for s in plan]))
+            draws=self.draws(meta, r))
         return batch, meta, first
 
     def draws(self, meta: list, r: int) -> sampling.Draws:
@@ -166,12 +164,19 @@ class BatchBuilder:
                 d.seq_pos[i] = req.num_tokens - 1 + j
         return d
 
-    def table(self, reqs: list[Request]) -> sampling.Sampling:
-        """The sampling settings of ``reqs`` by slot (other slots inert)."""
+    def table(self, reqs: list[Request], rows: list[int] | None = None,
+              num_rows: int | None = None, widths=None) -> sampling.Sampling:
+        """The sampling settings of ``reqs`` at ``rows`` (default: by slot) of ``num_rows``
+        (default: the slots), other rows inert; the id lists ``widths`` wide (default: theirs)."""
         return sampling.Sampling.placed(
             [r.params for r in reqs], [r.key_data for r in reqs], [r.max_tokens for r in reqs],
-            eos_token_ids=sorted(self.eos_token_ids), rows=[r.slot for r in reqs],
-            num_rows=self.num_slots)
+            eos_token_ids=sorted(self.eos_token_ids),
+            rows=[r.slot for r in reqs] if rows is None else rows,
+            num_rows=self.num_slots if num_rows is None else num_rows, widths=widths)
+
+    def widths(self, reqs: list[Request]) -> tuple[int, int, int]:
+        """The id-list widths a table holding ``reqs`` needs (``sampling.list_widths``)."""
+        return sampling.list_widths([r.params for r in reqs], sorted(self.eos_token_ids))
 
     def budget(self, req: Request) -> int:
         """Tokens the request may still emit (max_tokens, max_model_len)."""

@@ -7,6 +7,7 @@ import time
 import jax
 import numpy as np
 
+from sfjax.engine import slots
 from sfjax.engine.batch import bucket, spec_batch
 
 
@@ -35,7 +36,7 @@ def shape_buckets(engine) -> list[tuple]:
         out += [("spec", n, r, d) for n in ns for r in rs for d in ds(n)]
     if c.num_scheduler_steps > 1:                                  # the rounds' one program
         out.append(("rounds", 0, 0, 0))
-    return out
+    return out + [("slots", u, 0, 0) for u in slots.buckets(c.max_num_seqs)]
 
 
 def precompile(engine, progress: bool = True) -> float:
@@ -50,11 +51,13 @@ def precompile(engine, progress: bool = True) -> float:
             batch, _, _ = engine.batches.build([], [], [(None, -1, 0)] * r, min_rows=n)
             engine._run_plain(batch)
             continue
+        if kind == "slots":                  # updates of the device's slot rows
+            engine.state = engine.programs.update_slots(engine.state, *engine.slots.padding(n))
+            continue
         if kind == "rounds":                 # no live slot: the loop ends before a round
             s = engine.config.max_num_seqs
             zeros = np.zeros(s, np.int32)
-            engine._run_rounds(engine.block_tables.copy(), zeros, zeros, zeros, np.zeros(s, bool),
-                             engine.batches.table([]), 0)
+            engine._run_rounds(zeros, zeros, zeros, np.zeros(s, bool), 0)
             continue
         k1 = engine.spec.k_max + 1
         tail = [(None, -1, 0)] * r

@@ -22,18 +22,18 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.paged_attention import IMPLS as ATTENTION_IMPLS
 from sfjax import checks as C, model, rows as R, sampling, sharding
-from sfjax.cache import KVCache, validate_block_size
+from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.engine.allocator import BlockAllocator, ShardedAllocator
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
 from sfjax.outputs import RequestOutput, merge_outputs
-from sfjax.run import MATMUL_KERNELS, RunConfig
+from sfjax.run import RunConfig, check_settings
 from sfjax.sampling_params import SamplingParams
 from sfjax.engine import compile, programs, rounds, speculation
 from sfjax.engine.batch import BatchBuilder, draft_rows, layout, pack, spec_batch
 from sfjax.engine.output import OutputProcessor
+from sfjax.engine.slots import SlotSync
 from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
@@ -68,19 +68,15 @@ class EngineConfig:
 
     def __post_init__(self):
         f = lambda name: f"EngineConfig.{name}"
-        C.integer(f("block_size"), self.block_size, 1)
-        validate_block_size(self.block_size)
+        check_settings("EngineConfig", block_size=self.block_size, row_tile=self.row_tile,
+                       sampler=self.sampler, layer_loop=self.layer_loop,
+                       attention=self.attention, matmul=self.matmul)
         C.integer(f("num_kv_blocks"), self.num_kv_blocks, 2, optional=True)
         C.integer(f("kv_cache_bytes"), self.kv_cache_bytes, 1)
         C.integer(f("max_model_len"), self.max_model_len, 2, optional=True)
         C.integer(f("max_num_seqs"), self.max_num_seqs, 1)
         C.integer(f("max_num_batched_tokens"), self.max_num_batched_tokens, self.max_num_seqs,
                   allowed=f"an int >= max_num_seqs ({self.max_num_seqs})")
-        C.integer(f("row_tile"), self.row_tile, 1)
-        C.text(f("sampler"), self.sampler)
-        C.one_of(f("attention"), self.attention, ATTENTION_IMPLS)
-        C.one_of(f("layer_loop"), self.layer_loop, model.LAYER_LOOPS)
-        C.one_of(f("matmul"), self.matmul, MATMUL_KERNELS)
         C.boolean(f("enable_prefix_caching"), self.enable_prefix_caching)
         C.integer(f("num_scheduler_steps"), self.num_scheduler_steps, 1, 1024)
         C.boolean(f("small_row_tiles"), self.small_row_tiles)
@@ -126,9 +122,16 @@ class Engine:
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    cache_lag=1 if draft is not None else 0)
+        self.batches = BatchBuilder(row_tile=config.row_tile, max_model_len=max_len, dp=dp,
+                                    num_slots=config.max_num_seqs,
+                                    eos_token_ids=self.eos_token_ids,
+                                    shard_of=self.scheduler.shard_of)
+        self.slots = SlotSync(self.block_tables, self.batches.table, self.batches.widths, mesh)
+        block_tables, table = self.slots.initial()
         self.state = DeviceState(
             cache=KVCache.zeros(cfg, num_blocks, config.block_size, mesh=mesh),
-            history=sharding.zeros((config.max_num_seqs, max_len), jnp.int32, P(), mesh))
+            history=sharding.zeros((config.max_num_seqs, max_len), jnp.int32, P(), mesh),
+            block_tables=block_tables, table=table)
         self.registry = Registry()
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
                                 self.registry, mesh, self._split, tiles) if speculative else None)
@@ -139,10 +142,6 @@ class Engine:
         self._plan, self._dispatched = [], False
         self._arrivals = 0
         self.stats = {"steps": 0, "host_steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
-        self.batches = BatchBuilder(row_tile=config.row_tile, max_model_len=max_len, dp=dp,
-                                    block_tables=self.block_tables,
-                                    eos_token_ids=self.eos_token_ids,
-                                    shard_of=self.scheduler.shard_of)
         self.outputs = OutputProcessor(tokenizer, eos_token_ids=self.eos_token_ids,
                                        max_model_len=max_len, stats=self.stats,
                                        release=lambda req: self._release(req))
@@ -318,6 +317,7 @@ class Engine:
         for s in self._plan:
             try:
                 self.batches.build([s])
+                self.batches.table([s.request])
             except Exception as e:
                 self._fail(s.request, e)
                 found = True
@@ -488,10 +488,8 @@ class Engine:
             prompt_len[req.slot], length[req.slot], live[req.slot] = (
                 len(req.prompt_token_ids), req.num_tokens, True)
             last[req.slot] = req.output_token_ids[-1]
-        sp = self.batches.table(reqs)
         n, tokens, new_len, drafted, accepted = jax.device_get(
-            self._run_rounds(self.block_tables.copy(), prompt_len, length, last, live, sp, num_rounds,
-                             bool(self.scheduler.waiting)))
+            self._run_rounds(prompt_len, length, last, live, num_rounds, bool(self.scheduler.waiting)))
         self.stats["steps"] += int(n) - 1                   # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
@@ -523,27 +521,32 @@ class Engine:
                     m.add(int(d), int(a))
         return self.outputs.output(req, new_token_ids=new)
 
-    def _run_rounds(self, block_tables, prompt_len, length, last, live, sp, num_rounds,
-                    until_one_ends=False):
-        spec = self.spec
+    def _sync(self) -> None:
+        """Sends the slot rows that changed since the last call (``engine.slots``), then marks
+        the call dispatched: a failure from here on is the device call's."""
+        self.state = self.slots.sync(self.state, self.scheduler.running, self.programs.update_slots)
         self._dispatched = True
+
+    def _run_rounds(self, prompt_len, length, last, live, num_rounds, until_one_ends=False):
+        spec = self.spec
+        self._sync()
         self.state, draft_cache, *out = self.programs.decode_rounds(
             self.weights, spec.draft_weights if spec else None, self.state,
-            spec.draft_cache if spec else None, block_tables, prompt_len, length, last, live, sp,
+            spec.draft_cache if spec else None, prompt_len, length, last, live,
             np.int32(num_rounds), np.bool_(until_one_ends))
         if spec:
             spec.draft_cache = draft_cache
         return out
 
     def _run_plain(self, batch: StepBatch):
-        self._dispatched = True
+        self._sync()
         self.state, _, drawn, _ = self.programs.plain_round(self.weights, None, self.state, None,
                                                             batch, None)
         return drawn
 
     def _run_spec(self, batch: StepBatch, sb):
         spec = self.spec
-        self._dispatched = True
+        self._sync()
         self.state, spec.draft_cache, drawn, verified = self.programs.spec_round(
             self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb)
         return drawn, verified

@@ -43,6 +43,7 @@ class Programs:
     spec_round: Callable | None
     decode_rounds: Callable     # rounds.decode_rounds without its static arguments
     write_history: Callable     # (state, slot, row, n) -> state
+    update_slots: Callable      # (state, slots, block rows, sampling rows) -> state
 
 
 def _jit(fn, donate: tuple[str, ...], **static) -> Callable:
@@ -80,6 +81,8 @@ def programs_for(engine) -> Programs:
                             lambda: _jit(round_step, ("state", "draft_cache"), run=plain)),
         write_history=_shared(("write_history", _shapes(engine.state)),
                               lambda: _jit(step.write_history, ("state",))),
+        update_slots=_shared(("update_slots", _shapes(engine.state)),
+                             lambda: _jit(step.update_slots, ("state",))),
         spec_round=None)
     if spec is not None:
         progs["spec_round"] = _shared(("round", run, target, draft), lambda: _jit(

@@ -12,6 +12,7 @@ tokens are the single-step engine's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,7 +22,6 @@ from sfjax import functional as F
 from sfjax.cache import KVCache
 from sfjax.engine.scheduler import Request
 from sfjax.run import RunConfig
-from sfjax.sampling import Sampling
 from sfjax.step import DeviceState
 
 
@@ -36,9 +36,10 @@ def eligible(req: Request, strategy_slot: int) -> bool:
 @functools.partial(jax.jit, static_argnames=("run", "max_rounds"),
                    donate_argnames=("state", "draft_cache"))
 def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
-                  block_tables, prompt_len, length, last, live, sampling: Sampling, num_rounds,
-                  until_one_ends, *, run: RunConfig, max_rounds: int):
-    """Up to ``num_rounds`` rounds for the ``live`` slots. DONATES ``state`` and ``draft_cache``.
+                  prompt_len, length, last, live, num_rounds, until_one_ends, *, run: RunConfig,
+                  max_rounds: int):
+    """Up to ``num_rounds`` rounds for the ``live`` slots, with the state's block tables and
+    sampling table. DONATES ``state`` and ``draft_cache``.
 
     ``until_one_ends``: return once any request ends (others wait for its slot).
     ``last`` is each slot's newest token (drawn, not yet fed: the engine's history records tokens
@@ -51,13 +52,13 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
     slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
     history = state.history.at[slots, length - 1].set(last, mode="drop")
     st = F.State(cache=state.cache, draft_cache=draft_cache, history=history,
-                 block_tables=block_tables, prompt_len=prompt_len, length=length, done=~live,
-                 sampling=sampling, num_drafts=zeros, num_draft_tokens=zeros,
+                 block_tables=state.block_tables, prompt_len=prompt_len, length=length,
+                 done=~live, sampling=state.table, num_drafts=zeros, num_draft_tokens=zeros,
                  num_accepted_tokens=zeros)
     st, n, drafted, accepted = F.run_rounds(weights, draft_weights, st, run, num_rounds, max_rounds,
                                               until_one_ends)
     width = max_rounds * (run.k_max + 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
-    return (DeviceState(cache=st.cache, history=st.history), st.draft_cache, n, tokens, st.length,
-            drafted, accepted)
+    return (dataclasses.replace(state, cache=st.cache, history=st.history), st.draft_cache, n,
+            tokens, st.length, drafted, accepted)

@@ -110,11 +110,11 @@ def _draft_model(dw, dcache, ctx, k_max: int):
     slots, length, k = grow(spec.slots, -1), grow(spec.length, 0), grow(spec.k, 0)
     live = slots >= 0
     h, dcache = model.forward(dw, dcache, spec.draft_tokens, spec.draft_positions, spec.draft_slots,
-                              batch.block_tables, dcfg, row_tile, small_tiles=tiles,
+                              ctx.block_tables, dcfg, row_tile, small_tiles=tiles,
                               matmul=run.matmul, attention=attention, mesh=mesh)
     spread, gather = lambda x, fill: x, lambda h: h       # one row per slot, in slot order
     if sharding.dp_of(mesh) > 1:                           # ... or by data shard
-        first, n = sharding.slot_rows(slots, live, batch.block_tables.shape[0], mesh, 1, row_tile)
+        first, n = sharding.slot_rows(slots, live, ctx.block_tables.shape[0], mesh, 1, row_tile)
         spread = lambda x, fill: jnp.full((n,), fill, x.dtype).at[first].set(x, mode="drop")
         gather = lambda h: h[jnp.minimum(first, n - 1)]
 
@@ -137,7 +137,7 @@ def _draft_model(dw, dcache, ctx, k_max: int):
         d_prev, dcache, history = carry
         pos = jnp.where(live & (j < k), length - 1 + j, -1)
         h, dcache = model.forward(dw, dcache, spread(d_prev, 0), spread(pos, -1),
-                                  spread(jnp.where(pos >= 0, slots, -1), -1), batch.block_tables,
+                                  spread(jnp.where(pos >= 0, slots, -1), -1), ctx.block_tables,
                                   dcfg, row_tile, small_tiles=tiles, matmul=run.matmul,
                                   attention=attention, mesh=mesh)
         d, logq, history = one(gather(h), j, history)

@@ -1,0 +1,96 @@
+"""The slot state the device keeps between calls, and the host's record of what it holds.
+
+Each slot's block table row and its request's sampling settings live in ``step.DeviceState``
+(``block_tables``, ``table``) from call to call. The scheduler edits the host's block tables in
+place; before each device call ``SlotSync.sync`` sends the rows of the slots whose pages or
+request changed since the last (one small donated program, ``step.update_slots``, over a
+bucket of at least 8 slots, ``rows_for``), and nothing when none did. A slot no request holds keeps its
+last rows: nothing reads a free slot's settings (its rows are padding) and its pages are only
+read through a live request's table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jax.sharding import PartitionSpec as P
+
+from sfjax import sampling, sharding
+from sfjax.rows import bucket
+
+
+def rows_for(changed: int, num_slots: int) -> int:
+    """Rows of an update sending ``changed`` slots: a ``rows.bucket`` of 8 * 2**j, at most the
+    slots (``buckets``: every such size)."""
+    return min(bucket(changed, min(8, num_slots)), num_slots)
+
+
+def buckets(num_slots: int) -> list[int]:
+    return sorted({rows_for(c, num_slots) for c in range(1, num_slots + 1)})
+
+
+class SlotSync:
+    """The host side of the device's slot state: what was last sent, per slot."""
+
+    def __init__(self, block_tables: np.ndarray, table: Callable, widths: Callable, mesh=None):
+        """``block_tables``: the scheduler's, edited in place. ``table(reqs, rows, num_rows,
+        widths)`` builds sampling rows (``BatchBuilder.table``); ``widths(reqs)`` the id-list
+        widths a table holding ``reqs`` needs."""
+        self.block_tables, self._table, self._widths_of = block_tables, table, widths
+        self.mesh = mesh
+        self._sent = np.zeros_like(block_tables)              # the device's block tables
+        self._held: list = [None] * block_tables.shape[0]     # whose settings each slot holds
+        self._widths = widths([])                             # the device table's list widths
+
+    def padding(self, u: int) -> tuple[np.ndarray, np.ndarray, sampling.Sampling]:
+        """An update of ``u`` padding rows (it changes nothing; ``precompile`` runs it)."""
+        n = self.block_tables.shape[0]
+        return (np.full(u, n, np.int32), np.zeros((u, self.block_tables.shape[1]), np.int32),
+                self._table([], [], u, self._widths))
+
+    def initial(self) -> tuple[jax.Array, sampling.Sampling]:
+        """The device's block tables and sampling table before any request: zeros, inert."""
+        n = self.block_tables.shape[0]
+        return self._place((self._sent, self._table([], [], n, self._widths)))
+
+    def _place(self, tree):
+        """``tree`` on the device, or whole on every device of the mesh (each process placing
+        its own devices' copies, as ``sharding.put`` does)."""
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return sharding.put(tree, jax.tree.map(lambda _: P(), tree), self.mesh)
+
+    def sync(self, state, running, update: Callable):
+        """``state`` with the slots of ``running`` (requests holding slots) current; ``update``
+        is the engine's ``step.update_slots``. A change of the id lists' widths (a request
+        needing longer lists arrived, or the last that did left) sends the whole table."""
+        n = len(self._held)
+        now: list = [None] * n
+        for req in running:
+            now[req.slot] = req
+        widths = self._widths_of([r for r in now if r is not None])
+        if widths != self._widths:
+            live = [s for s in range(n) if now[s] is not None]
+            table = self._table([now[s] for s in live], live, n, widths)
+            state = dataclasses.replace(state, table=self._place(table))
+            self._held, self._widths = now, widths
+        dirty = np.flatnonzero((self.block_tables != self._sent).any(axis=1)
+                               | np.array([a is not b for a, b in zip(now, self._held)]))
+        if dirty.size == 0:
+            return state
+        u = rows_for(dirty.size, n)
+        slots = np.full(u, n, np.int32)
+        slots[:dirty.size] = dirty
+        blocks = np.zeros((u, self.block_tables.shape[1]), np.int32)
+        blocks[:dirty.size] = self.block_tables[dirty]
+        held = [(i, now[s]) for i, s in enumerate(dirty) if now[s] is not None]
+        rows = self._table([r for _, r in held], [i for i, _ in held], u, self._widths)
+        state = update(state, slots, blocks, rows)
+        self._sent[dirty] = self.block_tables[dirty]
+        for s in dirty:
+            self._held[s] = now[s]
+        return state
