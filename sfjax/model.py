@@ -139,30 +139,41 @@ class _Call:
 
 def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables, *,
              cfg: ModelConfig, row_tile: int, small_tiles: tuple[int, ...], kernel: str | None,
-             attention: str, sp: Split):
+             attention: str, sp: Split, features: tuple[int, ...] = ()):
     """One shard's forward (the whole forward off a mesh). Stages are separate row-tile loops,
     with the all-gathers between them, the same on one device as on many. A data shard's rows
-    are its own slots' (``sharding.slot_rows``), so it writes and reads only its own pages."""
+    are its own slots' (``sharding.slot_rows``), so it writes and reads only its own pages.
+    With ``features``, also the residual stream entering each of those layers, concatenated."""
     slots = sp.own_slots(slots, block_tables.shape[0])
     page, offset = cache_slots(block_tables, slots, positions, cache.k.shape[2])
     ctx = _Call(cfg, sp, rows.Rows(positions >= 0, row_tile, _small(small_tiles, sp), kernel),
                 attention,
                 rope_frequencies(cfg), positions, slots, block_tables, page, offset)
-    carry = (sp.embed(weights.embed, tokens), cache.k, cache.v)
+    x = sp.embed(weights.embed, tokens)
+    carry, taken = (x, cache.k, cache.v), jnp.zeros((len(features), *x.shape), x.dtype)
+    take = lambda taken, x, i: jnp.where((jnp.asarray(features) == i)[:, None, None], x, taken)
     if isinstance(weights.wq, (tuple, list)):       # split_layers: one array per layer, unrolled
         for i in range(cfg.num_layers):
+            taken = take(taken, carry[0], i) if i in features else taken
             carry = decoder_layer(carry, {f: getattr(weights, f)[i] for f in LAYER_FIELDS}, i, ctx)
     else:                                           # stacked: lax.scan over the layer axis
         layers = {f: getattr(weights, f) for f in LAYER_FIELDS}
-        carry, _ = lax.scan(lambda c, xs: (decoder_layer(c, *xs, ctx), None), carry,
-                            (layers, jnp.arange(cfg.num_layers)))
+
+        def layer(c, xs):
+            carry, taken = c
+            taken = take(taken, carry[0], xs[1]) if features else taken
+            return (decoder_layer(carry, *xs, ctx), taken), None
+        (carry, taken), _ = lax.scan(layer, (carry, taken), (layers, jnp.arange(cfg.num_layers)))
     x, k, v = carry
-    return x, KVCache(k=k, v=v)
+    if not features:
+        return x, KVCache(k=k, v=v)
+    return x, KVCache(k=k, v=v), jnp.concatenate(list(taken), axis=-1)
 
 
 def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables,
             cfg: ModelConfig, row_tile: int = 8, *, small_tiles: tuple[int, ...] = (),
-            matmul: str | None = None, attention: str = "auto", mesh=None):
+            matmul: str | None = None, attention: str = "auto", mesh=None,
+            features: tuple[int, ...] = ()):
     """The ragged forward: writes each row's K/V to its page, returns hidden states.
 
     Stacked weights run by ``lax.scan`` over the layer axis; weights from ``split_layers`` (a
@@ -187,22 +198,31 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
         the rows split over ``data``. Over dp > 1 data shards the rows come laid out by shard
         (N = dp equal segments of whole tiles, segment d only rows of shard d's slots, see
         ``sharding.slot_rows``) and ``block_tables`` hold each shard's local page ids.
+      features: target layers (each in [0, num_layers)) whose input, the residual stream
+        entering the layer, is also returned, concatenated in this order (EAGLE-3's fused
+        features, ``sfjax.spec.eagle``).
     Returns:
-      (hidden [N, d], cache) with this call's K/V written.
+      (hidden [N, d], cache) with this call's K/V written; with ``features``, (hidden, cache,
+      features [N, len(features) * d]).
     """
+    if not all(isinstance(i, int) and 0 <= i < cfg.num_layers for i in features):
+        raise ValueError(f"features = {features!r} is out of range: must be layers in "
+                         f"[0, {cfg.num_layers})")
     weights = rows.block_weights(weights)
     fn = functools.partial(_forward, cfg=cfg, row_tile=row_tile, small_tiles=small_tiles,
-                           kernel=matmul, attention=attention, sp=Split.of(cfg, mesh))
+                           kernel=matmul, attention=attention, sp=Split.of(cfg, mesh),
+                           features=tuple(features))
     if mesh is None:
         return fn(weights, cache, tokens, positions, slots, block_tables)
     n = tokens.shape[0]
     data, cs = P(sharding.DATA), sharding.cache_spec(cfg, mesh)
     kv = KVCache(k=cs, v=cs)
-    hidden, cache = sharding.shard_map(
+    out = sharding.shard_map(
         fn, mesh, in_specs=(sharding.weight_specs(weights, cfg, mesh), kv, data, data, data, P()),
-        out_specs=(data, kv))(weights, cache, *sharding.pad_rows(mesh, row_tile, tokens,
-                                                                 positions, slots), block_tables)
-    return hidden[:n], cache
+        out_specs=(data, kv, data)[:3 if features else 2])(
+            weights, cache, *sharding.pad_rows(mesh, row_tile, tokens, positions, slots),
+            block_tables)
+    return (out[0][:n], out[1], *(x[:n] for x in out[2:]))
 
 
 # -- the head -----------------------------------------------------------------------------------

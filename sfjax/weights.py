@@ -159,7 +159,9 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
-def _tensor_reader(path: str) -> Callable[[str], np.ndarray]:
+def tensor_reader(path: str) -> Callable[[str], np.ndarray]:
+    """``read(name)``: a tensor of the folder's safetensors as numpy (ValueError naming a
+    missing one); ``read.names``: every tensor there."""
     where: dict[str, str] = {}
     for f in _safetensors_files(path):
         try:
@@ -174,12 +176,13 @@ def _tensor_reader(path: str) -> Callable[[str], np.ndarray]:
         with safe_open(where[name], framework="numpy") as sf:
             return sf.get_tensor(name)
 
+    read.names = frozenset(where)          # every tensor the folder holds
     return read
 
 
 def load_hf(path: str, cfg: ModelConfig) -> Weights:
     """Loads ``model.safetensors`` (or sharded safetensors with their index) without torch."""
-    read = _tensor_reader(path)
+    read = tensor_reader(path)
     arrays = {}
     for name, a in describe(cfg).items():
         if "{i}" in a.hf_name:

@@ -191,6 +191,32 @@ def test_chunked_prefill_on_small_pages_matches_hf(model_folder, hf_model, parit
     np.testing.assert_array_equal(got, sfjax_logits(folder, parity_ids))
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["scanned", "unrolled"])
+def test_the_features_a_head_fuses_are_hfs_hidden_states(model_folder, hf_model, split):
+    """``model.forward(features=...)`` (EAGLE-3's fused inputs, sfjax.spec.eagle): the residual
+    stream entering each named layer is HF's ``hidden_states[i]``, in the order named; asking for
+    them leaves the hidden states' bits as they were."""
+    cfg = toy.tiny_config(num_layers=3)
+    folder = model_folder(cfg, seed=PARITY_SEED, std=PARITY_STD)
+    ids = random_ids(40, seed=4)
+    with torch.no_grad():
+        ref = hf_model(folder)(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    weights = W.load_hf(folder, cfg)
+    weights = W.split_layers(weights) if split else weights
+    n = len(ids)
+    args = (weights, KVCache.zeros(cfg, 4, 16), np.asarray(ids, np.int32), np.arange(n, dtype=np.int32),
+            np.ones(n, np.int32), np.array([[0, 0, 0], [1, 2, 3]], np.int32), cfg)
+    run = jax.jit(model.forward, static_argnames=("cfg", "features"))
+    hidden, _, feats = run(*args, features=(2, 0, 1))
+    assert feats.shape == (n, 3 * cfg.hidden_size)
+    for j, i in enumerate((2, 0, 1)):
+        np.testing.assert_allclose(np.asarray(feats[:, j * 64:(j + 1) * 64]), ref[i][0].numpy(),
+                                   rtol=0, atol=1e-5)
+    assert np.asarray(hidden).tobytes() == np.asarray(run(*args)[0]).tobytes()
+    with pytest.raises(ValueError, match=r"features = \(0, 3\) is out of range: must be layers in \[0, 3\)"):
+        model.forward(*args, features=(0, 3))
+
+
 @pytest.mark.parametrize("name", ["llama3", "linear"])
 def test_rope_scaling_matters_past_original_context(name, model_folder, hf_model, parity_ids):
     """The scaled and unscaled folders hold the same arrays (same seed and shapes): their logits

@@ -1,0 +1,300 @@
+"""EAGLE-3 draft heads: the published folder format, read and written without torch, and the
+head's math.
+
+An EAGLE-3 head drafts from the target's own features. The target's residual stream entering
+three of its layers (low, middle, high: ``HeadConfig.aux_layers``) at position p, concatenated
+(3 x the target's width) and fused to the head's width by ``fc``, is the head's hidden input at
+p. With it the head reads the embedding of the token at p + 1 and runs one Llama decoder layer
+whose q/k/v see both, 2 x d wide (the embedding through ``input_layernorm``, the hidden input
+through ``hidden_norm``); the residual around its attention is the hidden input itself. Its
+output, through ``norm`` and ``lm_head``, gives logits over a draft vocabulary of
+``draft_vocab_size`` ids, each a target id (``d2t``: target = draft + d2t[draft]; other target
+ids get -inf), for the token at p + 2; its pre-norm output is the hidden input at p + 1, so the
+head drafts k tokens by feeding itself.
+
+The folder is what the EAGLE authors, vLLM and SGLang publish: ``config.json`` with
+``architectures: ["LlamaForCausalLMEagle3"]``, the layer's sizes, ``vocab_size`` (the target's),
+``draft_vocab_size``, optionally ``target_hidden_size`` and ``eagle_config``'s
+``eagle_aux_hidden_state_layer_ids``; safetensors with ``fc.weight``, ``midlayer.*`` (or
+``layers.0.*``) in HF Llama names plus ``midlayer.hidden_norm.weight``, ``norm.weight``,
+``lm_head.weight``, ``d2t`` and ``t2d``, and ``embed_tokens.weight`` only when the head does not
+share the target's embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from sfjax import checks as C
+from sfjax.config import ModelConfig, read_json, rope_frequencies
+from sfjax.rows import rms_norm
+from sfjax.weights import tensor_reader
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The layers whose input EAGLE-3 fuses when the head names none (vLLM's and SGLang's
+    default): low, middle, high; ``model.forward(features=...)`` returns them."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """An EAGLE-3 head for one target. ``layer``: its decoder layer's sizes as a one-layer
+    ``ModelConfig`` (vocab_size the target's); ``aux_layers``: the target layers whose input
+    residual stream is fused; ``norm_before_residual``: the residual around attention is the
+    normed hidden input (some checkpoints) instead of the raw one."""
+    layer: ModelConfig
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layers: tuple[int, int, int]
+    norm_before_residual: bool = False
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, target: ModelConfig) -> "HeadConfig":
+        """The head of ``config.json`` ``hf`` for ``target``; a ValueError naming the field when
+        the head cannot draft for it."""
+        archs = hf.get("architectures") or []
+        if not set(archs) & set(ARCHITECTURES):
+            raise ValueError(f"EAGLE-3 head config.json: architectures = {archs!r}: must name "
+                             f"one of {', '.join(ARCHITECTURES)}")
+        layers = hf.get("num_hidden_layers", 1)
+        if layers != 1:
+            raise ValueError(f"EAGLE-3 head config.json: num_hidden_layers = {layers!r} is out of "
+                             f"range: sfjax runs one-layer heads (1)")
+        plain = dict(hf, architectures=["LlamaForCausalLM"], model_type="llama")
+        layer = ModelConfig.from_hf_config(plain, dtype=target.dtype)
+        if layer.vocab_size != target.vocab_size:
+            raise ValueError(f"EAGLE-3 head config.json: vocab_size = {layer.vocab_size} must be "
+                             f"the target's ({target.vocab_size})")
+        vd = hf.get("draft_vocab_size") or layer.vocab_size
+        C.integer("EAGLE-3 head config.json: draft_vocab_size", vd, 1, target.vocab_size,
+                  allowed=f"an int in [1, the target's vocab_size ({target.vocab_size})]")
+        th = hf.get("target_hidden_size") or layer.hidden_size
+        if th != target.hidden_size:
+            raise ValueError(f"EAGLE-3 head config.json: target_hidden_size = {th} (the head's "
+                             f"fc reads 3 x it) must be the target's hidden_size "
+                             f"({target.hidden_size})")
+        eagle = hf.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        ids = default_aux_layers(target.num_layers) if ids is None else ids
+        name = "EAGLE-3 head config.json: eagle_config.eagle_aux_hidden_state_layer_ids"
+        if (not isinstance(ids, (list, tuple)) or len(ids) != 3
+                or not all(isinstance(i, int) and 0 <= i < target.num_layers for i in ids)):
+            raise ValueError(f"{name} = {ids!r} is out of range: must be 3 target layers in "
+                             f"[0, {target.num_layers}) (the residual stream entering each)")
+        return cls(layer=dataclasses.replace(layer, max_position_embeddings=max(
+            layer.max_position_embeddings, target.max_position_embeddings)),
+            draft_vocab_size=int(vd), target_hidden_size=int(th), aux_layers=tuple(ids),
+            norm_before_residual=bool(hf.get("norm_before_residual", False)))
+
+    def to_hf_config(self) -> dict:
+        out = self.layer.to_hf_config()
+        out.update(architectures=[ARCHITECTURES[0]], num_hidden_layers=1,
+                   draft_vocab_size=self.draft_vocab_size,
+                   target_hidden_size=self.target_hidden_size,
+                   norm_before_residual=self.norm_before_residual,
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
+                                 "use_aux_hidden_state": True})
+        return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HeadWeights:
+    """An EAGLE-3 head's arrays, matrices ``[in, out]`` (HF's ``[out, in]`` transposed)."""
+    embed: jax.Array | None   # [vocab, d]; None: the head shares the target's
+    fc: jax.Array             # [3 * target d, d]
+    input_norm: jax.Array     # [d] the embedding's norm
+    hidden_norm: jax.Array    # [d] the hidden input's norm
+    wq: jax.Array             # [2d, heads * head_dim]
+    wk: jax.Array             # [2d, kv_heads * head_dim]
+    wv: jax.Array             # [2d, kv_heads * head_dim]
+    wo: jax.Array             # [heads * head_dim, d]
+    mlp_norm: jax.Array       # [d] post_attention_layernorm
+    w_gate: jax.Array         # [d, ffn]
+    w_up: jax.Array           # [d, ffn]
+    w_down: jax.Array         # [ffn, d]
+    norm: jax.Array           # [d]
+    lm_head: jax.Array        # [d, draft vocab]
+    draft_to_target: jax.Array  # int32 [draft vocab]: each draft id's target id
+
+
+def _layout(cfg: HeadConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    """field -> (HF name, shape as sfjax keeps it, stored transposed)."""
+    c = cfg.layer
+    d, f, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    m = "midlayer."
+    return {
+        "fc": ("fc.weight", (3 * cfg.target_hidden_size, d), True),
+        "input_norm": (m + "input_layernorm.weight", (d,), False),
+        "hidden_norm": (m + "hidden_norm.weight", (d,), False),
+        "wq": (m + "self_attn.q_proj.weight", (2 * d, q), True),
+        "wk": (m + "self_attn.k_proj.weight", (2 * d, kv), True),
+        "wv": (m + "self_attn.v_proj.weight", (2 * d, kv), True),
+        "wo": (m + "self_attn.o_proj.weight", (q, d), True),
+        "mlp_norm": (m + "post_attention_layernorm.weight", (d,), False),
+        "w_gate": (m + "mlp.gate_proj.weight", (d, f), True),
+        "w_up": (m + "mlp.up_proj.weight", (d, f), True),
+        "w_down": (m + "mlp.down_proj.weight", (f, d), True),
+        "norm": ("norm.weight", (d,), False),
+        "lm_head": ("lm_head.weight", (d, cfg.draft_vocab_size), True),
+    }
+
+
+def draft_to_target(d2t: np.ndarray | None, t2d: np.ndarray | None, cfg: HeadConfig) -> np.ndarray:
+    """Each draft id's target id from the published ``d2t`` offsets (target = draft + d2t),
+    checked against ``t2d`` (which target ids the draft vocabulary holds) when given."""
+    vd, v = cfg.draft_vocab_size, cfg.layer.vocab_size
+    if d2t is None:
+        if vd != v:
+            raise ValueError(f"EAGLE-3 head: the tensor 'd2t' is missing; a draft vocabulary of "
+                             f"{vd} ids (draft_vocab_size) needs it to map to the target's {v}")
+        return np.arange(v, dtype=np.int32)
+    if d2t.shape != (vd,):
+        raise ValueError(f"EAGLE-3 head: d2t has shape {d2t.shape}; draft_vocab_size implies ({vd},)")
+    ids = np.arange(vd, dtype=np.int64) + d2t.astype(np.int64)
+    if ids.min() < 0 or ids.max() >= v:
+        raise ValueError(f"EAGLE-3 head: d2t maps draft ids outside [0, {v}) (the target's "
+                         f"vocab_size)")
+    if len(np.unique(ids)) != vd:
+        raise ValueError("EAGLE-3 head: d2t maps two draft ids to one target id")
+    if t2d is not None:
+        t2d = np.asarray(t2d).astype(bool)
+        if t2d.shape != (v,) or t2d.sum() != vd or not t2d[ids].all():
+            raise ValueError("EAGLE-3 head: t2d does not mark exactly the target ids d2t maps to")
+    return ids.astype(np.int32)
+
+
+def load(path: str, target: ModelConfig) -> tuple[HeadConfig, HeadWeights]:
+    """The head in folder ``path`` for ``target``, in the target's dtype; ValueError naming the
+    field or tensor when it does not fit the target."""
+    cfg = HeadConfig.from_hf_config(read_json(os.path.join(path, "config.json")), target)
+    read = tensor_reader(path)
+    names = set(read.names)
+    prefix = "midlayer." if any(n.startswith("midlayer.") for n in names) else "layers.0."
+    arrays = {}
+    for field, (name, shape, transpose) in _layout(cfg).items():
+        x = read(name.replace("midlayer.", prefix))
+        x = x.T if transpose else x
+        if x.shape != shape:
+            raise ValueError(f"EAGLE-3 head: {name} has shape {x.shape}; config.json implies {shape}")
+        arrays[field] = jnp.asarray(x, target.jnp_dtype)
+    embed = None
+    if "embed_tokens.weight" in names:
+        embed = read("embed_tokens.weight")
+        want = (target.vocab_size, cfg.layer.hidden_size)
+        if embed.shape != want:
+            raise ValueError(f"EAGLE-3 head: embed_tokens.weight has shape {embed.shape}; "
+                             f"expected {want}")
+        embed = jnp.asarray(embed, target.jnp_dtype)
+    elif cfg.layer.hidden_size != target.hidden_size:
+        raise ValueError(f"EAGLE-3 head: hidden_size = {cfg.layer.hidden_size} differs from the "
+                         f"target's ({target.hidden_size}) and the head has no embed_tokens.weight")
+    ids = draft_to_target(read("d2t") if "d2t" in names else None,
+                          read("t2d") if "t2d" in names else None, cfg)
+    return cfg, HeadWeights(embed=embed, draft_to_target=jnp.asarray(ids), **arrays)
+
+
+def init_random(cfg: HeadConfig, seed: int = 0, std: float = 0.02,
+                draft_ids: np.ndarray | None = None) -> HeadWeights:
+    """Random head weights (normal(std) matrices, unit norms), deterministic in ``seed``; the
+    draft vocabulary ``draft_ids`` (sorted target ids; default: a seeded choice)."""
+    rng = np.random.default_rng(seed)
+    arrays = {field: (np.ones(shape) if len(shape) == 1 else std * rng.standard_normal(shape))
+              for field, (_, shape, _) in _layout(cfg).items()}
+    if draft_ids is None:
+        draft_ids = np.sort(rng.choice(cfg.layer.vocab_size, cfg.draft_vocab_size, replace=False))
+    dtype = cfg.layer.jnp_dtype
+    return HeadWeights(embed=None, draft_to_target=jnp.asarray(draft_ids, jnp.int32),
+                       **{k: jnp.asarray(v.astype(np.float32), dtype) for k, v in arrays.items()})
+
+
+def save(path: str, cfg: HeadConfig, w: HeadWeights) -> None:
+    """Writes the head in the published format (``config.json``, ``model.safetensors``)."""
+    os.makedirs(path, exist_ok=True)
+    get = lambda x: np.asarray(jax.device_get(x))
+    tensors = {name: np.ascontiguousarray(get(getattr(w, field)).T if transpose
+                                          else get(getattr(w, field)))
+               for field, (name, _, transpose) in _layout(cfg).items()}
+    ids = get(w.draft_to_target).astype(np.int64)
+    tensors["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
+    t2d = np.zeros(cfg.layer.vocab_size, bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    if w.embed is not None:
+        tensors["embed_tokens.weight"] = np.ascontiguousarray(get(w.embed))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_config(), f, indent=2)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+# -- the head's math -------------------------------------------------------------------------
+
+
+def fuse(w: HeadWeights, features):
+    """The hidden input from the target's features: [T, 3 x target d] -> [T, d]."""
+    return features @ w.fc
+
+
+def _rope(x, positions, inv_freq):
+    """HF's rotate-half RoPE of x [T, heads, D] at ``positions``."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return (x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin).astype(x.dtype)
+
+
+def qkv(w: HeadWeights, cfg: HeadConfig, embeds, hidden, positions):
+    """The layer's queries, keys and values [T, heads, head_dim] (RoPE applied) from the input
+    tokens' embeddings and the hidden inputs, both [T, d]."""
+    c = cfg.layer
+    x = jnp.concatenate([rms_norm(embeds, w.input_norm, c.rms_norm_eps),
+                         rms_norm(hidden, w.hidden_norm, c.rms_norm_eps)], axis=-1)
+    t, inv = x.shape[0], rope_frequencies(c)
+    q, k, v = ((x @ m).reshape(t, -1, c.head_dim) for m in (w.wq, w.wk, w.wv))
+    return _rope(q, positions, inv), _rope(k, positions, inv), v
+
+
+def finish(w: HeadWeights, cfg: HeadConfig, hidden, attn):
+    """The layer after attention (``attn`` [T, heads * head_dim]): the output projection, the
+    residual around it, the MLP; returns the pre-norm output [T, d] (the next position's hidden
+    input)."""
+    eps = cfg.layer.rms_norm_eps
+    residual = rms_norm(hidden, w.hidden_norm, eps) if cfg.norm_before_residual else hidden
+    x = attn @ w.wo + residual
+    h = rms_norm(x, w.mlp_norm, eps)
+    return x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+
+
+def logits(w: HeadWeights, cfg: HeadConfig, prenorm):
+    """Logits over the target's vocabulary [T, vocab]: the draft vocabulary's at their target
+    ids, -inf at the rest."""
+    lg = (rms_norm(prenorm, w.norm, cfg.layer.rms_norm_eps) @ w.lm_head).astype(jnp.float32)
+    full = jnp.full((lg.shape[0], cfg.layer.vocab_size), -jnp.inf, jnp.float32)
+    return full.at[:, w.draft_to_target].set(lg)
+
+
+def forward_dense(w: HeadWeights, cfg: HeadConfig, embeds, hidden, positions):
+    """The head over one sequence's T rows with causal attention among them (training, and the
+    reference for the paged path): (logits [T, vocab], pre-norm outputs [T, d])."""
+    c = cfg.layer
+    q, k, v = qkv(w, cfg, embeds, hidden, positions)
+    rep = c.num_heads // c.num_kv_heads
+    k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * c.head_dim ** -0.5
+    causal = positions[None, :, None] >= positions[None, None, :]
+    p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+    attn = jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(hidden.dtype)
+    out = finish(w, cfg, hidden, attn.reshape(attn.shape[0], -1))
+    return logits(w, cfg, out), out
