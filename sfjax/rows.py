@@ -265,15 +265,22 @@ def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
     A GEMM library picks its kernels by M, so this is the library's property, not XLA's
     contract: XLA:CPU's (YNNPACK) computes M = 2, 4 and 8 with the same per-row arithmetic and
     M = 1 and 16 with other bits (measured on the demo model). The answer depends on shapes only,
-    so it is kept per (model shape, row_tile, backend) for the process.
+    so it is kept per (model shape, row_tile, backend) for the process, and across processes on
+    this machine, jax and sfjax source (``sfjax.certificate_cache``).
     """
+    from sfjax import certificate_cache
+
     cands = tuple(sorted(t for t in set(candidates) if t < row_tile and row_tile % t == 0))
     key = (cfg, row_tile, cands, attention, jax.default_backend(),
            isinstance(weights.wq, (tuple, list)),
            tuple(str(x.dtype) for x in jax.tree.leaves(weights)))
-    if key not in _CERTIFIED:
-        _CERTIFIED[key] = _certify(weights, cfg, row_tile, cands, attention) if cands else ()
-    return _CERTIFIED[key]
+    if key not in _CERTIFIED and cands:
+        found = certificate_cache.recall(key)
+        if found is None:
+            found = _certify(weights, cfg, row_tile, cands, attention)
+            certificate_cache.remember(key, found)
+        _CERTIFIED[key] = found
+    return _CERTIFIED.get(key, ())
 
 
 def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention: str):
@@ -285,8 +292,9 @@ def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention
 
     n, block_size = row_tile, 16
     per_slot = -(-n // block_size)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, n), jnp.int32)
-    tables = jnp.arange(1, 1 + 2 * per_slot, dtype=jnp.int32).reshape(2, per_slot)
+    tokens, tables = jax.device_put((   # device arrays, as before; placed, not computed
+        np.random.default_rng(0).integers(0, cfg.vocab_size, n).astype(np.int32),
+        np.arange(1, 1 + 2 * per_slot, dtype=np.int32).reshape(2, per_slot)))
     cache = KVCache.zeros(cfg, 1 + 2 * per_slot, block_size)
 
     @jax.jit
@@ -300,9 +308,9 @@ def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention
                            small_tiles=cands)
         return out, hidden, kv.k[:, 1:1 + per_slot], kv.v[:, 1:1 + per_slot]
 
-    def same(t):
-        (la, ha, ka, va), (lb, hb, kb, vb) = probe(t, False), probe(t, True)
-        return all(bool((x == y).all()) for x, y in
+    def same(t):                       # compared on the host: no eager op compiles per shape
+        (la, ha, ka, va), (lb, hb, kb, vb) = jax.device_get((probe(t, False), probe(t, True)))
+        return all(np.array_equal(x, y) for x, y in
                    [(la[:t], lb[:t]), (ha[:t], hb[:t]), (ka, kb), (va, vb)])
     return tuple(t for t in cands if same(t))
 

@@ -12,6 +12,10 @@ import pytest
 os.environ.setdefault("SFJAX_PROGRAM_CACHE", "64")
 
 _CACHE_DIR = tempfile.mkdtemp(prefix="sfjax-jit-cache-")
+# Small-tile certificates (sfjax.certificate_cache) go to this run's own folder, not the user's
+# ~/.cache: the run's first probe of a model shape is kept for its later processes (the CLI and
+# multi-device subprocesses inherit the variable), and no earlier run's answer is taken.
+os.environ.setdefault("SFJAX_CACHE_DIR", tempfile.mkdtemp(prefix="sfjax-certificates-"))
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

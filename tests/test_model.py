@@ -2,6 +2,7 @@
 the step's shape, the rows around it, its tile position, or how its tokens were chunked."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -121,4 +122,29 @@ def test_the_certificate_refuses_a_tile_with_other_bits(setup, monkeypatch):
     norm = R.rms_norm
     monkeypatch.setattr(R, "rms_norm", lambda x, g, eps: norm(x, g, eps) + x.shape[0] * 1e-3)
     monkeypatch.setattr(R, "_CERTIFIED", {})
+    monkeypatch.setenv("SFJAX_CACHE_DIR", "off")        # the patched body is not in the source
     assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == ()
+
+
+def test_certificates_are_kept_across_processes_and_keyed_on_what_they_follow(setup, monkeypatch,
+                                                                               tmp_path):
+    """A probe's answer is stored (sfjax.certificate_cache) and a fresh process takes it without
+    probing; another key (row tile, XLA flags) or a damaged file probes again."""
+    w, _ = setup
+    monkeypatch.setenv("SFJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(R, "_CERTIFIED", {})
+    probes = []
+    certify = R._certify
+    monkeypatch.setattr(R, "_certify", lambda *a: probes.append(a[2]) or certify(*a))
+    first = R.certify_row_tiles(w, CFG, 8, (2, 4))
+    assert probes == [8] and (tmp_path / "row_tile_certificates.json").exists()
+    monkeypatch.setattr(R, "_CERTIFIED", {})                # as a new process
+    assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == first and probes == [8]
+    monkeypatch.setattr(R, "_CERTIFIED", {})
+    R.certify_row_tiles(w, CFG, 4, (2,))                    # another key
+    monkeypatch.setattr(R, "_CERTIFIED", {})
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
+    assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == first and probes == [8, 4, 8]
+    (tmp_path / "row_tile_certificates.json").write_text("{not json")
+    monkeypatch.setattr(R, "_CERTIFIED", {})
+    assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == first and probes == [8, 4, 8, 8]
