@@ -183,7 +183,8 @@ def block(w):
     """[.., K, N] -> [.., U, K, N / U]: the fixed column blocks of ``matmul``."""
     *lead, k, n = w.shape
     u = blocks_of(n)
-    return jnp.moveaxis(w.reshape(*lead, k, u, n // u), -2, -3)
+    xp = np if isinstance(w, np.ndarray) else jnp       # host weights stay on the host
+    return xp.moveaxis(w.reshape(*lead, k, u, n // u), -2, -3)
 
 
 def unblock(w):
@@ -219,7 +220,9 @@ def block_weights(weights: Weights) -> Weights:
     engine and ``sfjax.functional`` block once (``sharding.place_weights``); model functions given
     plain weights block them on every call, a relayout of every matrix each time."""
     if weights.lm_head is None:      # tied: the head once as embed.T, not a transpose per step
-        weights = dataclasses.replace(weights, lm_head=jnp.array(weights.embed.T))
+        e = weights.embed
+        weights = dataclasses.replace(weights, lm_head=np.ascontiguousarray(e.T)
+                                      if isinstance(e, np.ndarray) else jnp.array(e.T))
     return _relayout(weights, block, blocked=False)
 
 

@@ -259,8 +259,9 @@ def place_weights(weights, cfg: ModelConfig, mesh: Mesh | None = None, split: bo
     weights = rows.block_weights(weights)
     if split:
         weights = split_layers(weights)
-    if mesh is None:
-        return weights
+    if mesh is None:       # host arrays (``weights.load_hf``'s) laid out there, then placed once
+        return jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x,
+                            weights)
     return put(weights, weight_specs(weights, cfg, mesh), mesh)
 
 

@@ -181,7 +181,9 @@ def tensor_reader(path: str) -> Callable[[str], np.ndarray]:
 
 
 def load_hf(path: str, cfg: ModelConfig) -> Weights:
-    """Loads ``model.safetensors`` (or sharded safetensors with their index) without torch."""
+    """Loads ``model.safetensors`` (or sharded safetensors with their index) without torch, as
+    host (numpy) arrays in ``cfg``'s dtype: ``sharding.place_weights`` lays them out on the host
+    and places them once."""
     read = tensor_reader(path)
     arrays = {}
     for name, a in describe(cfg).items():
@@ -193,7 +195,7 @@ def load_hf(path: str, cfg: ModelConfig) -> Weights:
             x = x.T if a.transpose else x
         if x.shape != a.shape:
             raise ValueError(f"model folder: {a.hf_name} has shape {x.shape}, config.json implies {a.shape}")
-        arrays[name] = jnp.asarray(x, cfg.jnp_dtype)
+        arrays[name] = np.asarray(x).astype(cfg.jnp_dtype, copy=False)
     if cfg.tie_word_embeddings:
         arrays["lm_head"] = None
     return Weights(**arrays)
