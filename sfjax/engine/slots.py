@@ -4,9 +4,9 @@ Each slot's block table row and its request's sampling settings live in ``step.D
 (``block_tables``, ``table``) from call to call. The scheduler edits the host's block tables in
 place; before each device call ``SlotSync.sync`` sends the rows of the slots whose pages or
 request changed since the last (one small donated program, ``step.update_slots``, over a
-bucket of at least 8 slots, ``rows_for``), and nothing when none did. A slot no request holds keeps its
-last rows: nothing reads a free slot's settings (its rows are padding) and its pages are only
-read through a live request's table.
+bucket of at least 8 slots, ``rows_for``), and nothing when none did. A freed slot's block row
+follows the host's (cleared) like any other; its sampling row stays until the next request takes
+the slot: nothing reads a free slot's settings (a row of a free slot is padding).
 """
 
 from __future__ import annotations
