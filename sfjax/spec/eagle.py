@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from sfjax import checks as C
+from sfjax import checks as C, model
 from sfjax.config import ModelConfig, read_json, rope_frequencies
 from sfjax.rows import rms_norm
 from sfjax.weights import tensor_reader
@@ -246,24 +246,15 @@ def fuse(w: HeadWeights, features):
     return features @ w.fc
 
 
-def _rope(x, positions, inv_freq):
-    """HF's rotate-half RoPE of x [T, heads, D] at ``positions``."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, None, :]
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return (x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin).astype(x.dtype)
-
-
 def qkv(w: HeadWeights, cfg: HeadConfig, embeds, hidden, positions):
     """The layer's queries, keys and values [T, heads, head_dim] (RoPE applied) from the input
     tokens' embeddings and the hidden inputs, both [T, d]."""
     c = cfg.layer
     x = jnp.concatenate([rms_norm(embeds, w.input_norm, c.rms_norm_eps),
                          rms_norm(hidden, w.hidden_norm, c.rms_norm_eps)], axis=-1)
-    t, inv = x.shape[0], rope_frequencies(c)
+    t, angles = x.shape[0], model.rope_angles(positions, rope_frequencies(c))
     q, k, v = ((x @ m).reshape(t, -1, c.head_dim) for m in (w.wq, w.wk, w.wv))
-    return _rope(q, positions, inv), _rope(k, positions, inv), v
+    return model.rope(q, angles), model.rope(k, angles), v
 
 
 def finish(w: HeadWeights, cfg: HeadConfig, hidden, attn):
