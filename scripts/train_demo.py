@@ -16,8 +16,8 @@
    every 8th training sequence, counted by context (the last token, the last two), chained 4 tokens
    deep. ``--table-only`` rebuilds just this from the folder's target and tokenizer (a minute).
 
-The forward is a dense causal Llama over sfjax's ``Weights`` pytree (sfjax's own RMSNorm and
-RoPE), so the trained arrays go straight to ``weights.save_hf``; ``tests/test_demo_model.py``
+The forward is the dense causal Llama over sfjax's ``Weights`` pytree (``sfjax.training``), so
+the trained arrays go straight to ``weights.save_hf``; ``tests/test_demo_model.py``
 checks HF transformers against sfjax on the shipped folders. Training state (a flax
 ``TrainState``: step, weights, optimizer state) is checkpointed with orbax under --ckpt-dir and
 restored from there when the script runs again. The folders hold bfloat16 tensors and a float32
@@ -47,8 +47,8 @@ from tqdm.auto import tqdm
 
 from sfjax import toy
 from sfjax import weights as W
-from sfjax.config import ModelConfig, rope_frequencies
-from sfjax.model import rms_norm, rope, rope_angles
+from sfjax.config import ModelConfig
+from sfjax.training import forward
 from sfjax.spec import table as ngram_table
 
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data"}
@@ -131,28 +131,6 @@ def batch_order(n_seqs: int, steps: int, batch: int, seed: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # model and losses
-
-
-def forward(w: W.Weights, tokens, cfg: ModelConfig):
-    """Dense causal Llama over ``Weights``: tokens int32 [B, T] -> logits float32 [B, T, vocab]."""
-    b, t = tokens.shape
-    inv_freq, positions = rope_frequencies(cfg), jnp.arange(t)
-
-    def layer(x, lw):
-        h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        q = (h @ lw["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = (h @ lw["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = (h @ lw["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        angles = rope_angles(positions, inv_freq)
-        q, k = rope(q, angles), rope(k, angles)
-        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)   # [B, T, heads, hd]
-        x = x + attn.reshape(b, t, -1) @ lw["wo"]
-        h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
-        return x + (jax.nn.silu(h @ lw["w_gate"]) * (h @ lw["w_up"])) @ lw["w_down"], None
-
-    x, _ = jax.lax.scan(layer, w.embed[tokens], {f: getattr(w, f) for f in W.LAYER_FIELDS})
-    x = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
-    return x @ (w.embed.T if w.lm_head is None else w.lm_head)
 
 
 def loss_fn(w, seqs, cfg: ModelConfig, teacher=None, teacher_cfg: ModelConfig | None = None):

@@ -45,15 +45,17 @@ def file_workload(path: str, tokenizer, output_len: int, num: int | None) -> Wor
 
 
 def run_engine(llm, work: Workload, params) -> dict:
-    """Runs the workload through ``llm.engine`` step by step; returns per-request timings."""
+    """Runs the workload through ``llm.engine`` step by step (``params``: one SamplingParams, or
+    one per request); returns per-request timings."""
     eng = llm.engine
     llm.reset_prefix_cache()           # a repeated workload must not hit the previous run's blocks
     before = llm.get_metrics().get("spec_decode")
     t0 = time.monotonic()
     ids = []
-    for i, (p, n) in enumerate(zip(work.prompt_ids, work.max_tokens)):
+    per = params if isinstance(params, (list, tuple)) else [params] * len(work.prompt_ids)
+    for i, (p, n, sp) in enumerate(zip(work.prompt_ids, work.max_tokens, per)):
         rid = f"bench-{time.monotonic_ns()}-{i}"
-        eng.add_request(rid, {"prompt_token_ids": p}, dataclasses.replace(params, max_tokens=n))
+        eng.add_request(rid, {"prompt_token_ids": p}, dataclasses.replace(sp, max_tokens=n))
         ids.append(rid)
     deliveries = {rid: [] for rid in ids}           # (time, tokens) per step that gave tokens
     tokens = {}

@@ -105,8 +105,9 @@ def _method(llm) -> str:
     c = spec.config
     extra = (f", lookup {c.prompt_lookup_min}..{c.prompt_lookup_max}"
              + (", n-gram table" if c.prompt_lookup_table else "") if c.method == "ngram"
-             else f", draft {c.model}")
-    return f"{c.method} (k = {c.num_speculative_tokens}{extra}, {c.acceptance_method} acceptance)"
+             else f", {'head' if c.method == 'eagle3' else 'draft'} {c.model}")
+    k = f"adaptive, <= {c.num_speculative_tokens}" if c.adaptive_k else c.num_speculative_tokens
+    return f"{c.method} (k = {k}{extra}, {c.acceptance_method} acceptance)"
 
 
 def _bench(args) -> int:

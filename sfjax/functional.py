@@ -13,6 +13,10 @@ table (``sampling.Sampling``, this module's ``Sampling``) and stop rule (``spec.
 invariance (every op in fixed tiles of ``row_tile`` rows) makes a row's logits the same bits in
 either layout, and draws use the engine's counter keys (request key, output index), so the tokens
 equal ``LLM.generate``'s for the same weights, prompts, seeds and speculative settings.
+
+``draft_weights`` are the draft model's ``Weights`` (``draft_model``), the n-gram table or None
+(``ngram``), or the head's ``eagle.HeadWeights`` (``eagle3``, with the ``eagle.HeadConfig`` as
+the speculative config's "model"; ``State.draft_cache`` then holds its ``eagle.HeadState``).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from sfjax import model, rows, sharding
 from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.sampling import Draws, Sampling
-from sfjax.spec import accept
-from sfjax.spec.config import drafts_for
+from sfjax.spec import accept, eagle
+from sfjax.spec.config import adaptive_k, drafts_for
 from sfjax.round import SpecBatch, round_step
 from sfjax.run import RunConfig
 from sfjax.spec.table import NgramTable
@@ -46,7 +50,7 @@ Config = RunConfig      # a generation program's static settings (``run.RunConfi
 class State:
     """A batch of B rows between calls; row b owns slot b and its own contiguous KV blocks."""
     cache: KVCache
-    draft_cache: KVCache | None
+    draft_cache: KVCache | eagle.HeadState | None   # the proposer's state
     history: jax.Array           # int32 [B, max_model_len] each row's tokens by position
     block_tables: jax.Array      # int32 [B, max_model_len / block_size]
     prompt_len: jax.Array        # int32 [B] (0: an empty row, done from the start)
@@ -118,6 +122,11 @@ def _weights(weights, draft_weights, cfg: Config):
             raise ValueError("draft_weights: speculative_config.prompt_lookup_table names an n-gram "
                              "table; pass it, as sfjax.spec.table.load(path)")
         return weights, draft_weights if isinstance(draft_weights, NgramTable) else None
+    if cfg.head is not None:
+        if not isinstance(draft_weights, eagle.HeadWeights):
+            raise ValueError("draft_weights: the eagle3 method needs the head's weights "
+                             "(sfjax.spec.eagle.load(folder, target)[1])")
+        return weights, eagle.place(draft_weights, weights.embed)
     if cfg.draft is None:
         return weights, None
     if draft_weights is None:
@@ -184,8 +193,7 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     zeros_b = jnp.zeros_like(prompt_lens)
     st = State(
         cache=KVCache.zeros(cfg.model, num_blocks, cfg.block_size, mesh=cfg.mesh),
-        draft_cache=(KVCache.zeros(cfg.draft, num_blocks, cfg.block_size, mesh=cfg.draft_mesh)
-                     if cfg.draft else None),
+        draft_cache=_draft_state(cfg, num_blocks, s),
         history=jnp.zeros((s, cfg.max_model_len), jnp.int32),
         block_tables=1 + local[:, None] * per_seq + jnp.arange(per_seq, dtype=jnp.int32)[None, :],
         prompt_len=prompt_lens, length=prompt_lens, done=prompt_lens <= 0,
@@ -207,16 +215,31 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     batch = StepBatch(tokens=tokens, positions=positions, slots=slots, logit_rows=logit_rows,
                       num_logit_rows=jnp.int32(s), with_logprobs=jnp.bool_(False),
                       draws=_draws(rows, prompt_lens, prompt_lens, 1, r))
-    dev, _, drawn, _ = round_step(w, None, device_state(st), None, batch, None, run=cfg.plain())
-    dcache = st.draft_cache
-    if cfg.draft is not None:   # the draft's cache gets the same prompt rows
+    # an EAGLE head follows the prompt rows in the round; the draft model's cache gets them after
+    head = cfg.head is not None
+    dev, dcache, drawn, _ = round_step(w, dw if head else None, device_state(st),
+                                       st.draft_cache if head else None, batch, None,
+                                       run=cfg if head else cfg.plain())
+    dcache = dcache if head else st.draft_cache
+    if cfg.draft is not None:
         _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables, cfg.draft,
                                   cfg.row_tile, small_tiles=cfg.draft_small_tiles,
                                   matmul=cfg.matmul, attention=cfg.attention,
                                   mesh=cfg.draft_mesh)
-    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
+    # the round donates the state it is given (a call outside jit): keep what it returns
+    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache, sampling=dev.table,
+                             block_tables=dev.block_tables)
     one = live.astype(jnp.int32)
     return _commit(st, rows, live, drawn.tokens[:s, None], one, zeros_b, zeros_b, dev.history)
+
+
+def _draft_state(cfg: Config, num_blocks: int, rows: int):
+    """The proposer's state: the draft model's cache, the EAGLE head's ``HeadState``, or None."""
+    if cfg.head is not None:
+        return eagle.HeadState.zeros(cfg.head, num_blocks, cfg.block_size, rows)
+    if cfg.draft is not None:
+        return KVCache.zeros(cfg.draft, num_blocks, cfg.block_size, mesh=cfg.draft_mesh)
+    return None
 
 
 def device_state(st: State) -> DeviceState:
@@ -249,7 +272,9 @@ def _round(w, dw, st: State, cfg: Config) -> State:
         draws=_draws(order, length, plen, k1, r))
     sb = None if spec is None else _spec_batch(st, cfg, order, live, length, plen, last, first)
     dev, dcache, drawn, v = round_step(w, dw, device_state(st), st.draft_cache, batch, sb, run=cfg)
-    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache)
+    # the round donates the state it is given (a call outside jit): keep what it returns
+    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache, sampling=dev.table,
+                             block_tables=dev.block_tables)
     if v is None:
         zero = jnp.zeros(s, jnp.int32)
         return _commit(st, order, live, drawn.tokens[:s, None], live.astype(jnp.int32), zero, zero,
@@ -263,8 +288,11 @@ def _spec_batch(st: State, cfg: Config, order, live, length, plen, last, first) 
     spec, s = cfg.speculative_config, order.shape[0]
     slot = jnp.where(live, order, -1)
     _, _, budget = accept.left(st.sampling, order, length, plen, cfg.max_model_len)
-    k = drafts_for(spec.num_speculative_tokens, budget, length,
-                   spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
+    k_max = spec.num_speculative_tokens
+    table = spec.k_table(cfg.model)
+    if table is not None:            # adaptive_k: each row's k from its own acceptance so far
+        k_max = adaptive_k(table, st.num_draft_tokens[order], st.num_accepted_tokens[order], jnp)
+    k = drafts_for(k_max, budget, length, spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
     k = jnp.where(live & spec.speculates_at(jnp.sum(live.astype(jnp.int32))), k, 0)
     two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile)  # rows L-2, L-1
     prev = st.history[order, jnp.maximum(length - 2, 0)]

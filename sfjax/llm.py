@@ -15,6 +15,7 @@ from sfjax.config import ModelConfig
 from sfjax.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineConfig
 from sfjax.outputs import RequestOutput
 from sfjax.sampling_params import SamplingParams
+from sfjax.spec import eagle
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.tokenizer import generation_eos_ids, load_tokenizer
 from sfjax.weights import load
@@ -69,6 +70,9 @@ class LLM:
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if not os.path.isdir(model):
             raise ValueError(f"model: {model!r} is not a folder (an HF model folder is expected)")
+        if spec is not None and spec.method == "eagle3" and (tp * dp > 1 or mesh is not None):
+            raise ValueError("speculative_config.method = 'eagle3' runs on one device: "
+                             "tensor_parallel_size and data_parallel_size must be 1")
         if mesh is None and tp * dp > 1:
             mesh = sharding.make_mesh(tp, dp)
         elif mesh is not None:
@@ -88,6 +92,11 @@ class LLM:
                 raise ValueError(f"speculative_config.model: {draft_path!r} is not a folder")
             draft_cfg = ModelConfig.from_folder(draft_path, dtype)
             draft = (draft_cfg, load(draft_path, draft_cfg))
+        elif spec is not None and spec.method == "eagle3":
+            head_path = os.fspath(spec.model)
+            if not os.path.isdir(head_path):
+                raise ValueError(f"speculative_config.model: {head_path!r} is not a folder")
+            draft = eagle.load(head_path, self.model_config)
         self.engine = Engine(self.model_config, weights, self.tokenizer, config,
                              generation_eos_ids(model, self.model_config.eos_token_ids), spec, draft,
                              mesh)

@@ -49,7 +49,7 @@ class SpecBatch:
 @dataclasses.dataclass(frozen=True)
 class RoundConfig:
     """What a round is specialised on: its proposer and its acceptance rule."""
-    proposer: Any             # proposers.Ngram | proposers.DraftModel
+    proposer: Any             # proposers.Ngram | proposers.DraftModel | proposers.Eagle
     rule: Any                 # accept.Exact | accept.Rejection | accept.Typical
 
     @property
@@ -60,8 +60,12 @@ class RoundConfig:
     def of(cls, spec) -> "RoundConfig":
         """The round of a ``SpeculativeConfig``."""
         k = spec.num_speculative_tokens
-        proposer = (proposers.Ngram(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                    if spec.method == "ngram" else proposers.DraftModel(k))
+        if spec.method == "ngram":
+            proposer = proposers.Ngram(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec.method == "eagle3":
+            proposer = proposers.Eagle(k, spec.model)
+        else:
+            proposer = proposers.DraftModel(k)
         rule = accept.RULES[spec.acceptance_method]
         rule = (rule(spec.posterior_threshold, spec.posterior_alpha) if rule is accept.Typical
                 else rule())
@@ -113,10 +117,13 @@ def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: S
     history = replicated(record_tokens(state.history, batch.slots, batch.positions, batch.tokens), mesh)
     draws = sampling.rows(state.table, batch.draws)
     tokens, positions, slots = batch.tokens, batch.positions, batch.slots
+    ctx = None
     if rc is not None:
+        ctx = Context(batch, spec, draws, history, state.block_tables, rc.k_max,
+                      rc.rule.compares_distributions, run)
+    if spec is not None:
         k1 = rc.k_max + 1
         live = spec.slots >= 0
-        ctx = Context(batch, spec, draws, history, state.block_tables, rc.k_max, rc.rule.compares_distributions, run)
         drafts, k, logq, draft_cache = rc.proposer.propose(ctx, draft_weights, draft_cache)
         k = jnp.where(live, k, 0)
         # fill the verify rows: drafts past a slot's k become padding
@@ -127,19 +134,27 @@ def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: S
         positions = positions.at[rows].set(jnp.where(keep, spec.length[:, None] - 1 + j, -1), mode="drop")
         slots = slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop")
         history = replicated(record_tokens(history, slots, positions, tokens), mesh)
-    hidden, cache = model.forward(weights, state.cache, tokens, positions, slots,
-                                  state.block_tables, cfg, row_tile, small_tiles=run.small_tiles,
-                                  matmul=run.matmul, attention=run.attention, mesh=mesh)
+    features = getattr(rc.proposer, "features", ()) if rc is not None else ()
+    hidden, cache, *feats = model.forward(weights, state.cache, tokens, positions, slots,
+                                          state.block_tables, cfg, row_tile,
+                                          small_tiles=run.small_tiles, matmul=run.matmul,
+                                          attention=run.attention, mesh=mesh, features=features)
     logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, row_tile,
                                      batch.num_logit_rows, small_tiles=run.small_tiles,
                                      matmul=run.matmul, mesh=mesh), mesh)
     drawn = sampling.draw(logits, draws, history, batch.num_logit_rows, row_tile,
                           batch.with_logprobs, run.sampler)
     state = dataclasses.replace(state, cache=keep_cache_sharding(cache, cfg, mesh), history=history)
-    if rc is None:
+    follow = lambda accepted: rc.proposer.follow(ctx, draft_weights, draft_cache, tokens, positions,
+                                                 slots, feats[0], accepted)
+    if spec is None:
+        if features:                    # a round none of whose slots speculates
+            draft_cache = follow(None)
         return state, draft_cache, replicated(drawn, mesh), None
     accepted, out, drawn = rc.rule.accept(dataclasses.replace(ctx, history=history), drafts, k,
                                           logq, logits, drawn)
+    if features:
+        draft_cache = follow(accepted)
     emitted = accept.truncate_at_stops(out, accepted, *accept.left(
         state.table, spec.slots, spec.length, spec.prompt_len, history.shape[1]))
     verified = Verified(accepted=jnp.where(live, accepted, 0), tokens=out,

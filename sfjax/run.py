@@ -10,6 +10,7 @@ means.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -19,8 +20,9 @@ from pallas_kernels.matmul import KERNELS
 from sfjax import checks as C
 from sfjax import model, rows
 from sfjax.cache import validate_block_size
-from sfjax.config import ModelConfig
+from sfjax.config import ModelConfig, read_json
 from sfjax.round import RoundConfig
+from sfjax.spec import eagle
 from sfjax.spec.config import SpeculativeConfig
 
 
@@ -92,8 +94,15 @@ class RunConfig:
         spec = self.speculative_config
         if spec is not None:
             spec = SpeculativeConfig.from_dict(spec)
-            if isinstance(spec.model, str):
-                spec = dataclasses.replace(spec, model=ModelConfig.from_folder(spec.model))
+            if isinstance(spec.model, (str, os.PathLike)):
+                folder = os.fspath(spec.model)
+                spec = dataclasses.replace(spec, model=eagle.HeadConfig.from_hf_config(
+                    read_json(os.path.join(folder, "config.json")), self.model)
+                    if spec.method == "eagle3" else ModelConfig.from_folder(folder))
+            if spec.method == "eagle3" and self.mesh is not None:
+                raise ValueError("speculative_config.method = 'eagle3' runs on one device: "
+                                 "RunConfig.mesh must be None (tensor and data parallelism "
+                                 "serve draft_model and ngram)")
             spec.check_draft(self.model, self.max_model_len,
                              spec.model if isinstance(spec.model, ModelConfig) else None)
             object.__setattr__(self, "speculative_config", spec)
@@ -112,6 +121,12 @@ class RunConfig:
                 raise ValueError(f"{f(name)} = {tiles!r} is out of range: must be tiles below "
                                  f"row_tile ({self.row_tile}) that divide it")
             object.__setattr__(self, name, tuple(sorted(set(tiles))))
+
+    @property
+    def head(self):
+        """The EAGLE-3 head's ``eagle.HeadConfig`` (``eagle3`` only)."""
+        spec = self.speculative_config
+        return spec.model if spec is not None and spec.method == "eagle3" else None
 
     @property
     def draft(self) -> ModelConfig | None:

@@ -32,6 +32,7 @@ from sfjax import toy  # noqa: E402
 # out whole files in collection order (``--no-loadscope-reorder``, pyproject.toml), and a long
 # file handed out last keeps one worker busy while the other idles.
 SLOW_FILES = ("test_serving.py", "test_golden.py", "test_server.py", "test_spec_e2e_draft.py",
+              "test_spec_e2e_eagle.py", "test_spec_adaptive.py",
               "test_sharding.py", "test_reliability.py", "test_rounds.py", "test_hf_parity.py",
               "test_docs.py", "test_prefix_cache.py", "test_engine.py", "test_fuzz.py")
 

@@ -31,6 +31,17 @@ def test_hash_names_the_whole_prefix():
     assert a[1] != b[1]                           # same tokens, other prefix: another block
 
 
+def test_a_lookahead_hash_covers_the_next_token():
+    """With an EAGLE head (lookahead 1) a block's hash also names the token after it: the head's
+    K/V at the block's last position reads it."""
+    a, b, c = [], [], []
+    hash_blocks([1] * 8 + [2] * 8, 8, a, lookahead=1)
+    hash_blocks([1] * 8 + [3] * 8, 8, b, lookahead=1)
+    hash_blocks([1] * 8 + [2] * 8 + [4], 8, c, lookahead=1)
+    assert len(a) == 1 and len(c) == 2            # a block is hashed once its next token is known
+    assert a[0] != b[0] and a[0] == c[0]          # the next token is in the hash
+
+
 def test_allocator_shares_caches_and_evicts_oldest_first():
     alloc = BlockAllocator(5, prefix_caching=True)
     x = alloc.allocate(2)

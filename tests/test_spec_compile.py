@@ -2,6 +2,7 @@
 or sampling parameters does not recompile it."""
 
 import numpy as np
+import pytest
 
 from sfjax import LLM, SamplingParams, toy
 
@@ -33,15 +34,23 @@ def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
 
 
-def test_precompile_covers_every_step_of_a_run(model_folder):
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_precompile_covers_every_step_of_a_run(model_folder, tmp_path, method):
     """After ``Engine.precompile``, a run of mixed prompt lengths, batch sizes, sampling modes and
-    speculation compiles nothing more."""
+    speculation compiles nothing more (with an EAGLE head, prefix-cache hits included)."""
     target = model_folder(toy.tiny_config(), seed=0, std=0.1)
-    llm = LLM(target, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    if method == "eagle3":
+        from sfjax.spec import eagle
+        from test_eagle_round import head_config
+        eagle.save(str(tmp_path), head_config(), eagle.init_random(head_config(), seed=1))
+        spec = {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 2}
+    llm = LLM(target, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, block_size=8,
+              speculative_config=spec)
     assert llm.engine.precompile(progress=False) > 0
     p = llm.engine.programs                                    # the engine's own programs
-    programs = (p.plain_round, p.spec_round, p.decode_rounds)
+    programs = (p.plain_round, p.spec_round, p.decode_rounds) + (
+        (p.forget,) if method == "eagle3" else ())
     compiled = tuple(f._cache_size() for f in programs)
     assert compiled[2] >= 1
     rng = np.random.default_rng(1)
@@ -51,5 +60,6 @@ def test_precompile_covers_every_step_of_a_run(model_folder):
               SamplingParams(temperature=0, max_tokens=12, disable_spec_decode=True)]
     llm.generate(prompts, params, use_tqdm=False)
     llm.generate(prompts[:2], params[:2], use_tqdm=False)      # both fit: several rounds per call
+    assert llm.get_metrics()["prefix_cache"]["hit_tokens"] > 0      # the second run's prompts
     assert tuple(f._cache_size() for f in programs) == compiled
     assert llm.get_metrics()["host_steps"] < llm.get_metrics()["steps"]   # the rounds ran

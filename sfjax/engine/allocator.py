@@ -10,14 +10,17 @@ import hashlib
 import numpy as np
 
 
-def hash_blocks(tokens, block_size: int, hashes: list[bytes]) -> None:
-    """Extends ``hashes`` with the content hash of every full block of ``tokens`` not yet hashed.
+def hash_blocks(tokens, block_size: int, hashes: list[bytes], lookahead: int = 0) -> None:
+    """Extends ``hashes`` with the content hash of every full block of ``tokens`` not yet hashed
+    (and followed by ``lookahead`` known tokens).
 
     Block i's hash is SHA-256 over block i-1's hash and block i's tokens, so it names the whole
     prefix: a block's K/V depends on every token before it, and nothing else (row invariance).
+    With ``lookahead`` it also covers the next ``lookahead`` tokens: an EAGLE head's K/V at a
+    position depends on the token after it too (``sfjax.spec.eagle``).
     """
-    for i in range(len(hashes), len(tokens) // block_size):
-        chunk = np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64)
+    for i in range(len(hashes), (len(tokens) - lookahead) // block_size):
+        chunk = np.asarray(tokens[i * block_size:(i + 1) * block_size + lookahead], np.int64)
         parent = hashes[i - 1] if i else b""
         hashes.append(hashlib.sha256(parent + chunk.tobytes()).digest())
 

@@ -23,7 +23,7 @@ def shape_buckets(engine) -> list[tuple]:
                                   if bucket(lo, tile) <= b <= bucket(hi, tile)})
     max_draws, per_shard = c.max_num_seqs, c.max_num_seqs // dp
     out = []
-    if engine.spec is None or engine.spec.draft_cfg is None:          # plain steps
+    if engine.spec is None or not engine.spec.every_step:          # plain steps
         out += [("plain", dp * n, r, 0) for n in span(1, c.max_num_batched_tokens)
                 for r in span(1, max_draws) if r <= bucket(dp * n, tile)]
     if engine.spec is not None:
@@ -36,6 +36,8 @@ def shape_buckets(engine) -> list[tuple]:
         out += [("spec", n, r, d) for n in ns for r in rs for d in ds(n)]
     if c.num_scheduler_steps > 1:                                  # the rounds' one program
         out.append(("rounds", 0, 0, 0))
+    if engine.programs.forget is not None:                 # an EAGLE head's features dropped
+        out.append(("forget", 0, 0, 0))
     return out + [("slots", u, 0, 0) for u in slots.buckets(c.max_num_seqs)]
 
 
@@ -53,6 +55,9 @@ def precompile(engine, progress: bool = True) -> float:
             continue
         if kind == "slots":                  # updates of the device's slot rows
             engine.state = engine.programs.update_slots(engine.state, *engine.slots.padding(n))
+            continue
+        if kind == "forget":
+            engine.spec.draft_cache = engine.programs.forget(engine.spec.draft_cache, np.int32(0))
             continue
         if kind == "rounds":                 # no live slot: the loop ends before a round
             s = engine.config.max_num_seqs

@@ -121,7 +121,9 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, self.block_tables, block_size=config.block_size,
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   cache_lag=1 if draft is not None else 0)
+                                   cache_lag=1 if draft is not None else 0,
+                                   hash_lookahead=int(bool(speculative)
+                                                      and speculative.method == "eagle3"))
         self.batches = BatchBuilder(row_tile=config.row_tile, max_model_len=max_len, dp=dp,
                                     num_slots=config.max_num_seqs,
                                     eos_token_ids=self.eos_token_ids,
@@ -134,7 +136,8 @@ class Engine:
             block_tables=block_tables, table=table)
         self.registry = Registry()
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
-                                self.registry, mesh, self._split, tiles) if speculative else None)
+                                self.registry, mesh, self._split, tiles, self.weights.embed,
+                                config.max_num_seqs) if speculative else None)
         self.run = self._run_config(tiles(cfg, self.weights))
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
         self.requests: dict[str, Request] = {}
@@ -168,7 +171,7 @@ class Engine:
         return RunConfig(
             model=self.cfg, max_model_len=c.max_model_len, block_size=c.block_size,
             speculative_config=None if spec is None else dataclasses.replace(
-                spec.config, model=spec.draft_cfg),
+                spec.config, model=spec.round_model),
             row_tile=c.row_tile, sampler=c.sampler, attention=c.attention,
             layer_loop="unrolled" if self._split else "scan", mesh=self.mesh,
             draft_mesh=None if spec is None else spec.mesh, small_tiles=small_tiles,
@@ -337,13 +340,16 @@ class Engine:
                 row = np.zeros(self.config.max_model_len, np.int32)
                 row[:s.cached] = [s.request.token(j) for j in range(s.cached)]
                 self.state = self.programs.write_history(self.state, np.int32(s.request.slot), row, np.int32(s.cached))
+                if self.programs.forget is not None:     # an EAGLE head's kept features
+                    self.spec.draft_cache = self.programs.forget(self.spec.draft_cache,
+                                                                 np.int32(s.request.slot))
         self.stats["steps"] += 1                 # device rounds
         self.stats["host_steps"] += 1            # calls that ran the device (several rounds each)
         n_rounds = self._rounds_for(plan)
         if n_rounds > 1:
             return self._rounds_step(plan, n_rounds)
         spec_k = self._speculating(plan) if self.spec else {}
-        if self.spec and (spec_k or self.spec.draft_cfg is not None):
+        if self.spec and (spec_k or self.spec.every_step):
             return self._spec_step(plan, spec_k)
         batch, meta, _ = self.batches.build(plan)
         drawn = jax.device_get(self._run_plain(batch))
@@ -482,14 +488,18 @@ class Engine:
     def _rounds_step(self, plan: list[Scheduled], num_rounds: int) -> list[RequestOutput]:
         n_slots = self.config.max_num_seqs
         reqs = [s.request for s in plan]
-        prompt_len, length, last = (np.zeros(n_slots, np.int32) for _ in range(3))
+        prompt_len, length, last, so_far, kept = (np.zeros(n_slots, np.int32) for _ in range(5))
         live = np.zeros(n_slots, bool)
         for req in reqs:
             prompt_len[req.slot], length[req.slot], live[req.slot] = (
                 len(req.prompt_token_ids), req.num_tokens, True)
             last[req.slot] = req.output_token_ids[-1]
+            if req.spec_metrics is not None:            # adaptive_k reads them
+                so_far[req.slot] = req.spec_metrics.num_draft_tokens
+                kept[req.slot] = req.spec_metrics.num_accepted_tokens
         n, tokens, new_len, drafted, accepted = jax.device_get(
-            self._run_rounds(prompt_len, length, last, live, num_rounds, bool(self.scheduler.waiting)))
+            self._run_rounds(prompt_len, length, last, live, num_rounds, bool(self.scheduler.waiting),
+                             so_far, kept))
         self.stats["steps"] += int(n) - 1                   # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
@@ -527,12 +537,15 @@ class Engine:
         self.state = self.slots.sync(self.state, self.scheduler.running, self.programs.update_slots)
         self._dispatched = True
 
-    def _run_rounds(self, prompt_len, length, last, live, num_rounds, until_one_ends=False):
+    def _run_rounds(self, prompt_len, length, last, live, num_rounds, until_one_ends=False,
+                    drafted=None, accepted=None):
         spec = self.spec
+        zeros = np.zeros_like(length)
         self._sync()
         self.state, draft_cache, *out = self.programs.decode_rounds(
             self.weights, spec.draft_weights if spec else None, self.state,
             spec.draft_cache if spec else None, prompt_len, length, last, live,
+            zeros if drafted is None else drafted, zeros if accepted is None else accepted,
             np.int32(num_rounds), np.bool_(until_one_ends))
         if spec:
             spec.draft_cache = draft_cache

@@ -27,6 +27,7 @@ import jax
 from sfjax import step
 from sfjax.engine import rounds
 from sfjax.round import round_step
+from sfjax.spec import eagle
 
 PROGRAM_CACHE_SIZE = int(os.environ.get("SFJAX_PROGRAM_CACHE", "16"))
 
@@ -44,6 +45,7 @@ class Programs:
     decode_rounds: Callable     # rounds.decode_rounds without its static arguments
     write_history: Callable     # (state, slot, row, n) -> state
     update_slots: Callable      # (state, slots, block rows, sampling rows) -> state
+    forget: Callable | None     # eagle3: (head state, slot) -> head state (``eagle.forget``)
 
 
 def _jit(fn, donate: tuple[str, ...], **static) -> Callable:
@@ -83,7 +85,9 @@ def programs_for(engine) -> Programs:
                               lambda: _jit(step.write_history, ("state",))),
         update_slots=_shared(("update_slots", _shapes(engine.state)),
                              lambda: _jit(step.update_slots, ("state",))),
-        spec_round=None)
+        spec_round=None, forget=None)
+    if spec is not None and spec.head_cfg is not None:
+        progs["forget"] = _shared(("forget", draft), lambda: _jit(eagle.forget, ("state",)))
     if spec is not None:
         progs["spec_round"] = _shared(("round", run, target, draft), lambda: _jit(
             round_step, ("state", "draft_cache"), run=run))

@@ -36,14 +36,16 @@ def eligible(req: Request, strategy_slot: int) -> bool:
 @functools.partial(jax.jit, static_argnames=("run", "max_rounds"),
                    donate_argnames=("state", "draft_cache"))
 def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
-                  prompt_len, length, last, live, num_rounds, until_one_ends, *, run: RunConfig,
-                  max_rounds: int):
+                  prompt_len, length, last, live, drafted, accepted, num_rounds, until_one_ends,
+                  *, run: RunConfig, max_rounds: int):
     """Up to ``num_rounds`` rounds for the ``live`` slots, with the state's block tables and
     sampling table. DONATES ``state`` and ``draft_cache``.
 
     ``until_one_ends``: return once any request ends (others wait for its slot).
     ``last`` is each slot's newest token (drawn, not yet fed: the engine's history records tokens
-    as they are fed; the rounds read a row's input token from the history).
+    as they are fed; the rounds read a row's input token from the history). ``drafted`` and
+    ``accepted``: each slot's request's draft tokens and accepted drafts so far (adaptive_k
+    reads them).
 
     Returns (state, draft cache, rounds run, tokens int32 [slots, max_rounds * (k + 1)] from each
     slot's old length on, new lengths, drafts proposed and accepted drafts emitted per round and
@@ -53,8 +55,8 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
     history = state.history.at[slots, length - 1].set(last, mode="drop")
     st = F.State(cache=state.cache, draft_cache=draft_cache, history=history,
                  block_tables=state.block_tables, prompt_len=prompt_len, length=length,
-                 done=~live, sampling=state.table, num_drafts=zeros, num_draft_tokens=zeros,
-                 num_accepted_tokens=zeros)
+                 done=~live, sampling=state.table, num_drafts=zeros, num_draft_tokens=drafted,
+                 num_accepted_tokens=accepted)
     st, n, drafted, accepted = F.run_rounds(weights, draft_weights, st, run, num_rounds, max_rounds,
                                               until_one_ends)
     width = max_rounds * (run.k_max + 1)

@@ -82,7 +82,10 @@ class Scheduler:
     evicted) and starts computing after them; at least its last token is always computed, so its
     next token is drawn. Requests asking for prompt logprobs compute their whole prompt.
     ``cache_lag`` holds back registering a block until that many positions past it are computed
-    (1 with a draft model, whose cache trails the target's by up to one position).
+    (1 with a draft model, whose cache trails the target's by up to one position, and with an
+    EAGLE head, whose row at a position runs once the next token is fed); ``hash_lookahead``
+    tokens after a block enter its hash (1 with an EAGLE head: its K/V there reads the next
+    token).
 
     With a ``ShardedAllocator`` (data parallelism) the slots are split evenly over its shards: a
     request's pages, its prefix-cache lookups and any preemption for it stay in its slot's shard.
@@ -92,7 +95,7 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator | ShardedAllocator, block_tables, *,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 cache_lag: int = 0):
+                 cache_lag: int = 0, hash_lookahead: int = 0):
         self.allocator = allocator
         sharded = isinstance(allocator, ShardedAllocator)
         self.pools = list(allocator.shards) if sharded else [allocator]
@@ -101,6 +104,7 @@ class Scheduler:
                              f"data_parallel_size ({len(self.pools)})")
         self.slots_per_shard = max_num_seqs // len(self.pools)
         self.cache_lag = cache_lag
+        self.hash_lookahead = hash_lookahead
         self.block_tables = block_tables            # numpy int32 [max_num_seqs, max_blocks]
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -160,15 +164,15 @@ class Scheduler:
             return
         full = max(n - self.cache_lag, 0) // self.block_size
         if full > before:
-            self._hashes(req, full * self.block_size)
+            full = min(full, len(self._hashes(req, full * self.block_size)))
             pool = self.pool(req)
             for i in range(before, full):
                 pool.register(req.blocks[i], req.block_hashes[i])
 
     def _hashes(self, req: Request, upto: int) -> list[bytes]:
         if len(req.block_hashes) < upto // self.block_size:
-            tokens = (req.prompt_token_ids + req.output_token_ids)[:upto]
-            hash_blocks(tokens, self.block_size, req.block_hashes)
+            tokens = (req.prompt_token_ids + req.output_token_ids)[:upto + self.hash_lookahead]
+            hash_blocks(tokens, self.block_size, req.block_hashes, self.hash_lookahead)
         return req.block_hashes[:upto // self.block_size]
 
     def _cached_prefix(self, req: Request, pool: BlockAllocator) -> list[int]:

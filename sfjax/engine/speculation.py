@@ -1,5 +1,5 @@
-"""The host side of speculative decoding: the draft model and its cache, per-row k, and the
-spec-decode counters (the rows of a round are ``engine.batch``'s)."""
+"""The host side of speculative decoding: the draft model or EAGLE head and its state, per-row k,
+and the spec-decode counters (the rows of a round are ``engine.batch``'s)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from sfjax import sharding
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request
-from sfjax.spec import table
-from sfjax.spec.config import SpeculativeConfig, drafts_for
+from sfjax.spec import eagle, table
+from sfjax.spec.config import SpeculativeConfig, adaptive_k, drafts_for
 from sfjax.spec.registry import Registry, Strategy
 from sfjax.weights import Weights
 
@@ -58,12 +58,23 @@ class Speculator:
     """The engine's speculation: config, the draft model and its cache, and the certificate."""
 
     def __init__(self, config: SpeculativeConfig, cfg: ModelConfig, max_model_len: int,
-                 num_blocks: int, block_size: int, draft: tuple[ModelConfig, Weights] | None = None,
-                 registry: Registry | None = None, mesh=None, split: bool = False, tiles=None):
-        """``tiles``: (cfg, placed weights) -> the model's certified small row tiles (the
+                 num_blocks: int, block_size: int, draft: tuple | None = None,
+                 registry: Registry | None = None, mesh=None, split: bool = False, tiles=None,
+                 embed=None, max_num_seqs: int = 1):
+        """``draft``: the draft model's (config, weights), or for ``eagle3`` the head's
+        (``eagle.HeadConfig``, ``eagle.HeadWeights``), which shares the target's placed
+        embedding ``embed`` unless it has its own and keeps state for ``max_num_seqs`` slots.
+        ``tiles``: (cfg, placed weights) -> the model's certified small row tiles (the
         engine's ``rows.certified_tiles``), for the draft."""
         self.config = config
         self.k_max = config.num_speculative_tokens
+        self.head_cfg = None               # eagle3: the head's config; the draft model is None
+        if config.method == "eagle3":
+            if mesh is not None:
+                raise ValueError("speculative_config.method = 'eagle3' runs on one device: "
+                                 "tensor_parallel_size and data_parallel_size must be 1")
+            self.head_cfg, head = draft
+            draft = None
         self.draft_cfg, self.draft_weights = draft if draft else (None, None)
         config.check_draft(cfg, max_model_len, self.draft_cfg)
         self.max_model_len = config.draft_limit(max_model_len, self.draft_cfg)
@@ -87,11 +98,33 @@ class Speculator:
                 t, jax.tree.map(lambda _: P(), t), mesh)
         self.draft_cache = (KVCache.zeros(self.draft_cfg, num_blocks, block_size, mesh=self.mesh)
                             if self.draft_cfg is not None else None)
+        if self.head_cfg is not None:
+            self.draft_weights = eagle.place(head, embed)
+            self.draft_cache = eagle.HeadState.zeros(self.head_cfg, num_blocks, block_size,
+                                                     max_num_seqs)
         self.metrics = SpecMetrics()
+        self.k_table = dataclasses.replace(config, model=self.round_model).k_table(cfg)
+
+    @property
+    def every_step(self) -> bool:
+        """Whether every step runs the speculative round, drafting or not: a draft model's
+        cache, or an EAGLE head's, follows every row the target is fed."""
+        return self.draft_cfg is not None or self.head_cfg is not None
+
+    @property
+    def round_model(self):
+        """What the round's ``speculative_config.model`` is: the draft's ``ModelConfig``, the
+        head's ``eagle.HeadConfig``, or None (``ngram``)."""
+        return self.head_cfg if self.head_cfg is not None else self.draft_cfg
 
     def k_for(self, req: Request, budget: int) -> int:
         """Drafts for this row this round: 0 if it opted out, is past the draft's max_model_len,
         or has at most one token left to emit."""
         if req.strategy_slot != self.slot:
             return 0
-        return int(drafts_for(self.k_max, budget, req.num_tokens, self.max_model_len))
+        k = self.k_max
+        if self.k_table is not None:                     # adaptive_k: from its acceptance
+            m = req.spec_metrics
+            k = int(adaptive_k(self.k_table, m.num_draft_tokens if m else 0,
+                               m.num_accepted_tokens if m else 0))
+        return int(drafts_for(k, budget, req.num_tokens, self.max_model_len))

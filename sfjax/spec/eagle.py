@@ -24,6 +24,7 @@ share the target's embedding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -32,7 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from sfjax import checks as C, model
+from pallas_kernels.paged_attention import paged_attention
+from sfjax import checks as C, model, rows
+from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, read_json, rope_frequencies
 from sfjax.rows import rms_norm
 from sfjax.weights import tensor_reader
@@ -96,6 +99,15 @@ class HeadConfig:
             layer.max_position_embeddings, target.max_position_embeddings)),
             draft_vocab_size=int(vd), target_hidden_size=int(th), aux_layers=tuple(ids),
             norm_before_residual=bool(hf.get("norm_before_residual", False)))
+
+    def num_params(self) -> int:
+        """The head's parameters (its embedding is the target's): fc, the layer (q/k/v read
+        2 x d), norms, the LM head over the draft vocabulary."""
+        c = self.layer
+        d, f = c.hidden_size, c.intermediate_size
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return (3 * self.target_hidden_size * d + 2 * d * (q + 2 * kv) + q * d + 3 * d * f
+                + 4 * d + d * self.draft_vocab_size)
 
     def to_hf_config(self) -> dict:
         out = self.layer.to_hf_config()
@@ -239,41 +251,51 @@ def save(path: str, cfg: HeadConfig, w: HeadWeights) -> None:
 
 
 # -- the head's math -------------------------------------------------------------------------
+# Each function is row-local; ``mm`` is the product: ``a @ w`` on plain weights (training, the
+# dense reference), or ``rows.Rows.matmul`` on blocked ones inside a tile body (the round's
+# paged path, ``paged``), where a row's bits do not depend on the call.
 
 
-def fuse(w: HeadWeights, features):
+def _dense(a, w, out_dtype=None):
+    if isinstance(w, tuple):
+        return tuple(_dense(a, x, out_dtype) for x in w)
+    return jnp.matmul(a, w, preferred_element_type=out_dtype)
+
+
+def fuse(w: HeadWeights, features, mm=_dense):
     """The hidden input from the target's features: [T, 3 x target d] -> [T, d]."""
-    return features @ w.fc
+    return mm(features, w.fc)
 
 
-def qkv(w: HeadWeights, cfg: HeadConfig, embeds, hidden, positions):
+def qkv(w: HeadWeights, cfg: HeadConfig, embeds, hidden, positions, mm=_dense):
     """The layer's queries, keys and values [T, heads, head_dim] (RoPE applied) from the input
     tokens' embeddings and the hidden inputs, both [T, d]."""
     c = cfg.layer
     x = jnp.concatenate([rms_norm(embeds, w.input_norm, c.rms_norm_eps),
                          rms_norm(hidden, w.hidden_norm, c.rms_norm_eps)], axis=-1)
     t, angles = x.shape[0], model.rope_angles(positions, rope_frequencies(c))
-    q, k, v = ((x @ m).reshape(t, -1, c.head_dim) for m in (w.wq, w.wk, w.wv))
-    return model.rope(q, angles), model.rope(k, angles), v
+    zero = rows.opaque_zero(positions)
+    q, k, v = (a.reshape(t, -1, c.head_dim) for a in mm(x, (w.wq, w.wk, w.wv)))
+    return model.rope(q, angles, zero), model.rope(k, angles, zero), v
 
 
-def finish(w: HeadWeights, cfg: HeadConfig, hidden, attn):
+def finish(w: HeadWeights, cfg: HeadConfig, hidden, attn, mm=_dense):
     """The layer after attention (``attn`` [T, heads * head_dim]): the output projection, the
     residual around it, the MLP; returns the pre-norm output [T, d] (the next position's hidden
     input)."""
     eps = cfg.layer.rms_norm_eps
     residual = rms_norm(hidden, w.hidden_norm, eps) if cfg.norm_before_residual else hidden
-    x = attn @ w.wo + residual
+    x = mm(attn, w.wo) + residual
     h = rms_norm(x, w.mlp_norm, eps)
-    return x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+    return x + mm(jax.nn.silu(mm(h, w.w_gate)) * mm(h, w.w_up), w.w_down)
 
 
-def logits(w: HeadWeights, cfg: HeadConfig, prenorm):
+def logits(w: HeadWeights, cfg: HeadConfig, prenorm, mm=_dense):
     """Logits over the target's vocabulary [T, vocab]: the draft vocabulary's at their target
     ids, -inf at the rest."""
-    lg = (rms_norm(prenorm, w.norm, cfg.layer.rms_norm_eps) @ w.lm_head).astype(jnp.float32)
+    lg = mm(rms_norm(prenorm, w.norm, cfg.layer.rms_norm_eps), w.lm_head, jnp.float32)
     full = jnp.full((lg.shape[0], cfg.layer.vocab_size), -jnp.inf, jnp.float32)
-    return full.at[:, w.draft_to_target].set(lg)
+    return full.at[:, w.draft_to_target].set(lg.astype(jnp.float32))
 
 
 def forward_dense(w: HeadWeights, cfg: HeadConfig, embeds, hidden, positions):
@@ -289,3 +311,74 @@ def forward_dense(w: HeadWeights, cfg: HeadConfig, embeds, hidden, positions):
     attn = jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(hidden.dtype)
     out = finish(w, cfg, hidden, attn.reshape(attn.shape[0], -1))
     return logits(w, cfg, out), out
+
+
+# -- the head in the round ----------------------------------------------------------------------
+
+_MATRICES = ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+
+
+def place(w: HeadWeights, embed) -> HeadWeights:
+    """The head as the round runs it: its matrices in ``rows.matmul``'s column blocks, and the
+    target's embedding ``embed`` when the head has none of its own; placed weights are kept."""
+    block = lambda x: jnp.asarray(rows.block(x) if x.ndim == 2 else x)
+    return dataclasses.replace(w, embed=jnp.asarray(w.embed if w.embed is not None else embed),
+                               **{f: block(getattr(w, f)) for f in _MATRICES})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HeadState:
+    """What the head keeps between rounds (the round's draft cache for ``eagle3``): its K/V pages
+    on the target's block tables, and per slot the target's features at the newest position
+    whose successor token was not yet fed (the head's next row reads them) with that position
+    (-1: none; a round drafts for a slot only when it is the slot's length - 2)."""
+    cache: KVCache
+    feature: jax.Array       # [max_seqs, 3 x target d]
+    feature_pos: jax.Array   # int32 [max_seqs]
+
+    @classmethod
+    def zeros(cls, cfg: HeadConfig, num_blocks: int, block_size: int, max_seqs: int) -> "HeadState":
+        return cls(cache=KVCache.zeros(cfg.layer, num_blocks, block_size),
+                   feature=jnp.zeros((max_seqs, 3 * cfg.target_hidden_size), cfg.layer.jnp_dtype),
+                   feature_pos=jnp.full((max_seqs,), -1, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def forget(state: HeadState, slot) -> HeadState:
+    """Drops ``slot``'s kept features (a request admitted there after a prefix-cache hit: the
+    head's K/V before its first computed position is the cached block's own). DONATES ``state``."""
+    return dataclasses.replace(state, feature_pos=state.feature_pos.at[slot].set(-1))
+
+
+def paged(w: HeadWeights, cfg: HeadConfig, cache: KVCache, tokens, inputs, positions, slots,
+          block_tables, *, fused: bool, with_logits: bool, row_tile: int, kernel: str | None,
+          attention: str):
+    """The head over a ragged batch of rows on its paged cache: row i reads the embedding of
+    ``tokens[i]`` and its hidden input at ``positions[i]`` of slot ``slots[i]`` (padding: -1),
+    writes its K/V there and attends to the slot's earlier ones. ``inputs``: the hidden inputs
+    [N, d], or with ``fused`` the target's features [N, 3 x target d] (``fuse`` in the same
+    tile body). Every op runs in ``rows`` tiles (or kernels), two tile loops in all, so a row's
+    bits never depend on the call. Returns (pre-norm outputs [N, d], with ``with_logits`` the
+    draft logits float32 [N, vocab] else None, cache)."""
+    c = cfg.layer
+    r = rows.Rows(positions >= 0, row_tile, (), kernel)
+    page, offset = model.cache_slots(block_tables, slots, positions, cache.k.shape[2])
+
+    def first(e, x, p):
+        h = fuse(w, x, r.matmul) if fused else x
+        return (*qkv(w, cfg, e, h, p, r.matmul), h)
+
+    q, k, v, hidden = r.apply(first, w.embed[tokens], inputs, positions)
+    kc = cache.k.at[0, page, offset].set(k.astype(cache.k.dtype))
+    vc = cache.v.at[0, page, offset].set(v.astype(cache.v.dtype))
+    attn = paged_attention(q, kc, vc, 0, block_tables, slots, positions,
+                           sm_scale=float(c.head_dim) ** -0.5, row_tile=row_tile,
+                           impl=attention).astype(hidden.dtype)
+
+    def last(h, a):
+        out = finish(w, cfg, h, a.reshape(a.shape[0], -1), r.matmul)
+        return (out, logits(w, cfg, out, r.matmul)) if with_logits else (out, None)
+
+    out, lg = r.apply(last, hidden, attn)
+    return out, lg, KVCache(k=kc, v=vc)

@@ -18,13 +18,15 @@ token history with the round's earlier drafts in it, as plain decoding's at that
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from sfjax import model, sampling, sharding
-from sfjax.spec import table as T
+from sfjax.spec import eagle, table as T
 from sfjax.step import keep_cache_sharding, record_tokens, replicated
 
 
@@ -98,12 +100,30 @@ class DraftModel:
         return drafts, ctx.spec.k, (logq if ctx.compares_distributions else None), draft_cache
 
 
+def _draw_draft(ctx, slots, length, k, live, s: int, logits, j, history):
+    """Draft j of every slot from the drafter's ``logits`` [Sd, V] (slot rows padded to whole
+    tiles, live ones first), drawn with the slot's settings at position L + j, and ``history``
+    with it there: the next draft's penalties see it, as plain decoding's draw at that position
+    sees the token before it. The target's keys (coupled: the exact rule) or the draft's own
+    (``ctx.compares_distributions``: rejection sampling needs independent drafts, and gets
+    their log-probabilities; else zeros [Sd, 1]). Returns (drafts [Sd], logq, history)."""
+    run, independent, sd = ctx.run, ctx.compares_distributions, slots.shape[0]
+    role = sampling.ROLE_DRAFT if independent else sampling.ROLE_TARGET
+    grow = lambda x: jnp.concatenate([x, jnp.zeros((sd - s,), x.dtype)])
+    b = _rows(ctx.sampling, ctx.spec.verify_start + grow(jnp.arange(s) * (ctx.k_max + 1) + j))
+    n = jnp.sum(live)                                # live slots come first
+    d = sampling.draw(logits, b, history, n, run.row_tile, False, run.sampler, role).tokens
+    logq = (sampling.log_probs(logits, b, history, n, run.row_tile, run.sampler)
+            if independent else jnp.zeros((sd, 1), jnp.float32))
+    history = record_tokens(history, jnp.where(live & (j < k), slots, -1), length + j, d)
+    return d, logq, history
+
+
 def _draft_model(dw, dcache, ctx, k_max: int):
     """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
     batch, spec, history, run = ctx.batch, ctx.spec, ctx.history, ctx.run
     dcfg, row_tile, sampler, tiles = run.draft, run.row_tile, run.sampler, run.draft_small_tiles
-    attention, mesh, independent = run.attention, run.draft_mesh, ctx.compares_distributions
-    role = sampling.ROLE_DRAFT if independent else sampling.ROLE_TARGET
+    attention, mesh = run.attention, run.draft_mesh
     s = spec.slots.shape[0]
     sd = -(-s // row_tile) * row_tile                 # slot rows padded to whole tiles
     grow = lambda x, fill: jnp.concatenate([x, jnp.full((sd - s, *x.shape[1:]), fill, x.dtype)])
@@ -118,20 +138,10 @@ def _draft_model(dw, dcache, ctx, k_max: int):
         spread = lambda x, fill: jnp.full((n,), fill, x.dtype).at[first].set(x, mode="drop")
         gather = lambda h: h[jnp.minimum(first, n - 1)]
 
-    def one(h_rows, j, history):
-        """Draft j of every slot, and ``history`` with it at position L + j: the next draft's
-        penalties see it, as plain decoding's draw at that position sees the token before it."""
-        lg = replicated(model.logits(dw, h_rows, dcfg, row_tile, jnp.sum(live), small_tiles=tiles,
-                                     matmul=run.matmul, mesh=mesh), mesh)
-        b = _rows(ctx.sampling, spec.verify_start + grow(jnp.arange(s) * (k_max + 1) + j, 0))
-        n = jnp.sum(live)                                # live slots come first
-        d = sampling.draw(lg, b, history, n, row_tile, False, sampler, role).tokens
-        logq = (sampling.log_probs(lg, b, history, n, row_tile, sampler)
-                if independent else jnp.zeros((sd, 1), jnp.float32))
-        history = record_tokens(history, jnp.where(live & (j < k), slots, -1), length + j, d)
-        return d, logq, history
-
-    d0, q0, history = one(h[grow(spec.draft_last, 0)], 0, history)
+    one = functools.partial(_draw_draft, ctx, slots, length, k, live, s)
+    head = lambda h: replicated(model.logits(dw, h, dcfg, row_tile, jnp.sum(live), small_tiles=tiles,
+                                             matmul=run.matmul, mesh=mesh), mesh)
+    d0, q0, history = one(head(h[grow(spec.draft_last, 0)]), 0, history)
 
     def step(carry, j):
         d_prev, dcache, history = carry
@@ -140,10 +150,96 @@ def _draft_model(dw, dcache, ctx, k_max: int):
                                   spread(jnp.where(pos >= 0, slots, -1), -1), ctx.block_tables,
                                   dcfg, row_tile, small_tiles=tiles, matmul=run.matmul,
                                   attention=attention, mesh=mesh)
-        d, logq, history = one(gather(h), j, history)
+        d, logq, history = one(head(gather(h)), j, history)
         return (d, dcache, history), (d, logq)
 
     (_, dcache, _), (ds, qs) = lax.scan(step, (d0, dcache, history), jnp.arange(1, k_max))
     drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]                    # [S, K]
     logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]      # [S, K, V or 1]
     return drafts, logq, keep_cache_sharding(dcache, dcfg, mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle:
+    """An EAGLE-3 head's k_max draws per slot (``sfjax.spec.eagle``; its placed weights and its
+    ``HeadState`` are the round's draft arguments), keyed as ``DraftModel``'s.
+
+    The head's row at position q reads the target's features at q and the token at q + 1, so a
+    row can run only once that token is fed. ``follow`` runs after the target's forward: for
+    every row the round fed and kept (prefill rows, and verify rows up to the accepted ones) the
+    head's row one position earlier, with the features of the row before it (or, for a slot's
+    first row, those the state kept); then it keeps each slot's newest features. So the head's
+    K/V at q is always computed from the features at q and the token at q + 1 alone, whatever
+    the rounds were. ``propose`` then starts from the kept features at L - 2 and the last token,
+    and feeds the head its own outputs for the other k - 1 drafts (``lax.scan``)."""
+    k_max: int
+    head: Any                 # eagle.HeadConfig
+
+    @property
+    def features(self) -> tuple[int, ...]:
+        """The target layers whose input the round's forward returns for ``follow``."""
+        return self.head.aux_layers
+
+    def _paged(self, ctx, hw, cache, tokens, inputs, positions, slots, fused, with_logits=True):
+        run = ctx.run
+        return eagle.paged(hw, self.head, cache, tokens, inputs, positions, slots,
+                           ctx.block_tables, fused=fused, with_logits=with_logits,
+                           row_tile=run.row_tile, kernel=run.matmul, attention=run.attention)
+
+    def propose(self, ctx, hw, hs):
+        spec = ctx.spec
+        s = spec.slots.shape[0]
+        sd = -(-s // ctx.run.row_tile) * ctx.run.row_tile    # slot rows padded to whole tiles
+        grow = lambda x, fill: jnp.concatenate([x, jnp.full((sd - s, *x.shape[1:]), fill, x.dtype)])
+        slots, length = grow(spec.slots, -1), grow(spec.length, 0)
+        live, at = slots >= 0, jnp.maximum(slots, 0)
+        k = jnp.where(live & (hs.feature_pos[at] == length - 2), grow(spec.k, 0), 0)
+        one = functools.partial(_draw_draft, ctx, slots, length, k, live, s)
+        pos = jnp.where(k > 0, length - 2, -1)
+        last = ctx.history[at, jnp.maximum(length - 1, 0)]
+        h, lg, cache = self._paged(ctx, hw, hs.cache, last, hs.feature[at], pos,
+                                   jnp.where(pos >= 0, slots, -1), fused=True)
+        d0, q0, history = one(lg, 0, ctx.history)
+
+        def step(carry, j):
+            d_prev, h_prev, cache, history = carry
+            pos = jnp.where(j < k, length - 2 + j, -1)
+            h, lg, cache = self._paged(ctx, hw, cache, d_prev, h_prev, pos,
+                                       jnp.where(pos >= 0, slots, -1), fused=False)
+            d, logq, history = one(lg, j, history)
+            return (d, h, cache, history), (d, logq)
+
+        (_, _, cache, _), (ds, qs) = lax.scan(step, (d0, h, cache, history),
+                                              jnp.arange(1, self.k_max))
+        drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]
+        logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]
+        return (drafts, k[:s], logq if ctx.compares_distributions else None,
+                dataclasses.replace(hs, cache=cache))
+
+    def follow(self, ctx, hw, hs, tokens, positions, slots, features, accepted):
+        """The head's rows for what the round fed and kept (``tokens``, ``positions``, ``slots``:
+        the round's rows, its verify rows filled; ``features``: the target's there;
+        ``accepted`` [S] per speculating slot, or None), and each slot's newest features."""
+        n, max_seqs = tokens.shape[0], hs.feature.shape[0]
+        valid = (slots >= 0) & (positions >= 0)
+        if accepted is not None:                       # rejected verify rows are not kept
+            spec = ctx.spec
+            j = jnp.arange(1, self.k_max + 1)[None, :]
+            rows = jnp.where(spec.slots[:, None] >= 0, spec.verify_row[:, None] + j, n)
+            rejected = jnp.zeros(n, jnp.bool_).at[rows].set(j > accepted[:, None], mode="drop")
+            valid &= ~rejected
+        prev = lambda x, fill: jnp.concatenate([jnp.full((1, *x.shape[1:]), fill, x.dtype), x[:-1]])
+        nxt = lambda x, fill: jnp.concatenate([x[1:], jnp.full((1, *x.shape[1:]), fill, x.dtype)])
+        at = jnp.maximum(slots, 0)
+        after_prev = prev(valid, False) & (prev(slots, -1) == slots) & (prev(positions, -2) == positions - 1)
+        kept = hs.feature_pos[at] == positions - 1
+        run = valid & (positions >= 1) & (after_prev | kept)
+        feats = jnp.where(after_prev[:, None], prev(features, 0), hs.feature[at])
+        pos = jnp.where(run, positions - 1, -1)
+        _, _, cache = self._paged(ctx, hw, hs.cache, tokens, feats, pos,
+                                  jnp.where(run, slots, -1), fused=True, with_logits=False)
+        newest = valid & ~(nxt(valid, False) & (nxt(slots, -1) == slots)
+                           & (nxt(positions, -2) == positions + 1))
+        to = jnp.where(newest, slots, max_seqs)
+        return eagle.HeadState(cache=cache, feature=hs.feature.at[to].set(features, mode="drop"),
+                               feature_pos=hs.feature_pos.at[to].set(positions, mode="drop"))

@@ -43,6 +43,25 @@ def drafts(tiny_folder, model_folder, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def eagle_head(tmp_path_factory):
+    """An EAGLE-3 head folder for the tiny target, from a seed: random weights over a draft
+    vocabulary of 256 of the 512 ids (mapped by d2t), fusing the input of layers 0, 1, 1. It
+    accepts a few drafts, so rounds are ragged; exactness never depends on how many."""
+    from sfjax.config import ModelConfig
+    from sfjax.spec import eagle
+    target = toy.tiny_config()
+    layer = ModelConfig(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                        intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                        head_dim=16, rope_theta=target.rope_theta, rms_norm_eps=1e-5,
+                        max_position_embeddings=target.max_position_embeddings)
+    cfg = eagle.HeadConfig(layer=layer, draft_vocab_size=256,
+                           target_hidden_size=target.hidden_size, aux_layers=(0, 1, 1))
+    path = str(tmp_path_factory.mktemp("eagle3-head"))
+    eagle.save(path, cfg, eagle.init_random(cfg, seed=7, std=0.2))
+    return path
+
+
+@pytest.fixture(scope="session")
 def plain_llm(tiny_folder):
     """The reference: plain decoding, no speculative_config."""
     return LLM(tiny_folder, **GEOMETRY)
