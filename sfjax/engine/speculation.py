@@ -15,7 +15,6 @@ from sfjax.engine.scheduler import Request
 from sfjax.spec import eagle, table
 from sfjax.spec.config import SpeculativeConfig, adaptive_k, drafts_for
 from sfjax.spec.registry import Registry, Strategy
-from sfjax.weights import Weights
 
 
 @dataclasses.dataclass

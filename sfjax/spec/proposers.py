@@ -121,8 +121,8 @@ def _draw_draft(ctx, slots, length, k, live, s: int, logits, j, history):
 
 def _draft_model(dw, dcache, ctx, k_max: int):
     """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
-    batch, spec, history, run = ctx.batch, ctx.spec, ctx.history, ctx.run
-    dcfg, row_tile, sampler, tiles = run.draft, run.row_tile, run.sampler, run.draft_small_tiles
+    spec, history, run = ctx.spec, ctx.history, ctx.run
+    dcfg, row_tile, tiles = run.draft, run.row_tile, run.draft_small_tiles
     attention, mesh = run.attention, run.draft_mesh
     s = spec.slots.shape[0]
     sd = -(-s // row_tile) * row_tile                 # slot rows padded to whole tiles

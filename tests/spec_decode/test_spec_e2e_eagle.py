@@ -9,7 +9,7 @@ import os
 import pytest
 
 from sfjax import LLM, SamplingParams
-from spec_util import (BATCH8_SEED, GEOMETRY, MAX_MODEL_LEN, SHORT, assert_same_outputs, delta,
+from spec_util import (BATCH8_SEED, GEOMETRY, SHORT, assert_same_outputs, delta,
                        greedy, ids, one_by_one, prompts, run, sampled, spec_counters)
 from test_spec_e2e_draft import check_counters
 
