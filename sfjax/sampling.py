@@ -148,14 +148,23 @@ def _lists(params: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> tu
             [list(p.allowed_token_ids or []) for p in params])
 
 
+# The narrowest id lists a table has (stop ids with EOS, logit_bias entries, allowed ids): a
+# request within them leaves every compiled program's shapes as they are, so ordinary requests
+# never make a serving engine recompile its rounds. A wider list doubles its width (a new shape
+# for every program, compiled once, until that request leaves). Their cost is gathers and
+# scatters of [rows, width] beside [rows, vocab] logits.
+MIN_LIST_WIDTHS = (8, 16, 64)
+
+
 def list_widths(params: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> tuple[int, int, int]:
     """The widths of a table's id lists holding ``params``' (stop ids, logit_bias, allowed ids):
-    ``rows.bucket``s of 4 * 2**j, so few shapes compile."""
+    ``rows.bucket``s of ``MIN_LIST_WIDTHS`` * 2**j, so few shapes compile."""
     return _widths(_lists(params, eos_token_ids))
 
 
 def _widths(lists) -> tuple[int, int, int]:
-    return tuple(bucket(max(map(len, x), default=0), 4) for x in lists)
+    return tuple(bucket(max(map(len, x), default=0), least)
+                 for x, least in zip(lists, MIN_LIST_WIDTHS))
 
 
 @jax.tree_util.register_dataclass

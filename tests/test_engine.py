@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from sfjax import LLM, SamplingParams
+from sfjax import LLM, SamplingParams, sampling
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -142,8 +142,8 @@ def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
     plain = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     wide = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True,
                           presence_penalty=1.5, repetition_penalty=1.3,
-                          logit_bias={t: 5.0 for t in range(10, 16)},
-                          allowed_token_ids=list(range(8, 60)))
+                          logit_bias={t: 5.0 for t in range(10, 30)},
+                          allowed_token_ids=list(range(8, 108)))
     sent, update = [], eng.programs.update_slots
     eng.programs = dataclasses.replace(
         eng.programs, update_slots=lambda state, slots, *rows: sent.append(slots) or update(
@@ -158,7 +158,7 @@ def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
                 slot = eng.requests["wide"].slot
             widths.add(jax.device_get(eng.state.table.bias).shape[1])
             _device_rows_follow_the_host(eng)
-        assert widths == {8} and 0 < len(sent) < calls   # 40 tokens in 8-round calls, 16-token blocks
+        assert widths == {32} and 0 < len(sent) < calls   # 40 tokens in 8-round calls, 16-token blocks
         for i, p in enumerate(prompts):                  # each lands in the freed slot
             eng.add_request(f"after-{i}", p, GREEDY)
             got = None
@@ -168,9 +168,34 @@ def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
                 assert eng.requests[f"after-{i}"].slot == slot if f"after-{i}" in eng.requests else True
                 _device_rows_follow_the_host(eng)
             assert got == plain[i]
-        assert jax.device_get(eng.state.table.bias).shape[1] == 4
+        assert jax.device_get(eng.state.table.bias).shape[1] == sampling.MIN_LIST_WIDTHS[1]
+        assert jax.device_get(eng.state.table.allowed).shape[1] == sampling.MIN_LIST_WIDTHS[2]
     finally:
         eng.programs = dataclasses.replace(eng.programs, update_slots=update)
+
+
+def test_ordinary_id_lists_compile_nothing_new(llm):
+    """Requests within sampling.MIN_LIST_WIDTHS (stop ids, a few logit_bias entries, 50 allowed
+    ids) leave the table's shape, so after plain requests they compile no program: a serving
+    engine does not stall on the first request that carries them."""
+    prompts = _prompts(3, seed=21)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    # the same lengths, other tokens: no prefix-cache hit (whose admission compiles its own rows)
+    prompts = [{"prompt_token_ids": [2 + (t + 1) % 510 for t in p["prompt_token_ids"]]} for p in prompts]
+    listed = [SamplingParams(temperature=0.8, seed=5, max_tokens=24, stop_token_ids=[3, 4, 5, 6, 7],
+                             logit_bias={t: 3.0 for t in range(20, 32)}),
+              SamplingParams(temperature=0, max_tokens=24, allowed_token_ids=list(range(100, 150))),
+              GREEDY]
+    compiles = []
+    listen = lambda event, secs, **kw: compiles.append(event) if event.endswith(
+        "backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        outs = llm.generate(prompts, listed, use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert not compiles
+    assert all(100 <= t < 150 for t in outs[1].outputs[0].token_ids)
 
 
 def test_blocks_are_freed_when_requests_finish_or_abort(llm):
