@@ -1,8 +1,23 @@
 """Invariants of a live engine, checked between steps by several tests."""
 
 import collections
+import contextlib
 
+import jax
 import numpy as np
+
+
+@contextlib.contextmanager
+def compiles():
+    """Yields a list that collects one entry per XLA backend compile inside the block."""
+    seen = []
+    listen = lambda event, secs, **kw: seen.append(event) if event.endswith(
+        "backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def check_engine(eng) -> None:

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from engine_checks import compiles
 from sfjax import LLM, SamplingParams, sampling
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -186,15 +187,9 @@ def test_ordinary_id_lists_compile_nothing_new(llm):
                              logit_bias={t: 3.0 for t in range(20, 32)}),
               SamplingParams(temperature=0, max_tokens=24, allowed_token_ids=list(range(100, 150))),
               GREEDY]
-    compiles = []
-    listen = lambda event, secs, **kw: compiles.append(event) if event.endswith(
-        "backend_compile_duration") else None
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compiles() as seen:
         outs = llm.generate(prompts, listed, use_tqdm=False)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert not compiles
+    assert not seen
     assert all(100 <= t < 150 for t in outs[1].outputs[0].token_ids)
 
 

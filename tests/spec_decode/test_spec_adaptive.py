@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from engine_checks import compiles
 from sfjax import LLM
 from sfjax.spec.config import SpeculativeConfig, adaptive_k
 from spec_util import (BATCH8_SEED, GEOMETRY, assert_same_outputs, delta, greedy, prompts,
@@ -71,16 +72,10 @@ def test_host_and_device_pick_the_same_k_and_nothing_recompiles(tiny_folder, dra
         outs = run(llm, ps, greedy())
         counters[steps] = [o.metrics.spec_decode for o in outs]
     assert counters[1] == counters[8]
-    compiles = []
-    listen = lambda event, secs, **kw: compiles.append(event) if event.endswith(
-        "backend_compile_duration") else None
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compiles() as seen:
         before = spec_counters(llm)
         run(llm, ps, sampled(8, seed=BATCH8_SEED))
         d = delta(before, spec_counters(llm))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert not compiles
+    assert not seen
     assert _per_round(d) != pytest.approx(
         sum(c["num_draft_tokens"] for c in counters[8]) / sum(c["num_drafts"] for c in counters[8]))
