@@ -150,6 +150,28 @@ class RunConfig:
         """Whether the layers run unrolled over weights split by layer (``model.unrolled``)."""
         return model.unrolled(self.layer_loop)
 
+    def of_device(self) -> "RunConfig":
+        """What the device programs are specialised on: this run without the target's and the
+        draft's special token ids (the host puts stop ids in the sampling table; no program
+        reads them), so models that differ only there share compiled programs."""
+        untag = lambda m: (dataclasses.replace(m, bos_token_id=None, eos_token_ids=())
+                           if isinstance(m, ModelConfig) else m)
+        spec = self.speculative_config
+        return dataclasses.replace(self, model=untag(self.model), speculative_config=None if (
+            spec is None) else dataclasses.replace(spec, model=untag(spec.model)))
+
+    def of_round(self) -> "RunConfig":
+        """What one round (``round.round_step``) is specialised on: ``of_device`` without the
+        speculative config's host-side settings (adaptive k and its cost,
+        disable_by_batch_size, the draft's max_model_len, the n-gram table's path: the host, or
+        ``sfjax.functional``'s rounds, read them), so engines that differ only there share it."""
+        run, spec = self.of_device(), self.speculative_config
+        if spec is None:
+            return run
+        return dataclasses.replace(run, speculative_config=dataclasses.replace(
+            run.speculative_config, adaptive_k=False, draft_cost=None, disable_by_batch_size=None,
+            max_model_len=None, prompt_lookup_table=None))
+
     def plain(self) -> "RunConfig":
         """The same run without speculation: what a plain round is specialised on (shared by
         plain and speculating engines of one model)."""

@@ -102,6 +102,16 @@ def test_preemption_with_speculation_equals_unpressured(full_size, method, prefi
 # ---------------------------------------------------------------------------------------------
 # hypothesis state machine over the engine
 
+
+def reference(folder):
+    """The unpressured plain engine the tiny-model scenarios compare with: a cache for all of
+    its 16 slots' full sequences, so nothing is ever preempted (requests queue for a slot
+    instead), and at most 64 tokens a step, so its batches take few shape buckets (each one a
+    compile) whatever the workload. Its tokens are any batch's: rows don't see each other."""
+    return LLM(folder, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64,
+               enable_prefix_caching=False)
+
+
 FAMILIES = [list(range(10, 40)), list(range(10, 22)) + [5] * 14, [7, 8] * 12]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -110,7 +120,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 def engines(tiny_folder):
     """A plain reference with room for everything, and a small, prefix-cached, speculating
     engine (8 blocks of 8 tokens for 4 slots) whose state the machine drives."""
-    ref = LLM(tiny_folder, max_num_seqs=32, max_model_len=128, enable_prefix_caching=False)
+    ref = reference(tiny_folder)
     pressed = LLM(tiny_folder, block_size=8, num_kv_blocks=9, max_num_seqs=4,
                   max_num_batched_tokens=16, max_model_len=64, enable_prefix_caching=True,
                   speculative_config=NGRAM)
@@ -188,6 +198,7 @@ def test_engine_state_machine(engines):
                 expected = ref.generate([self.requests[r][0] for r in done],
                                         [self.requests[r][1] for r in done], use_tqdm=False)
                 assert [self.finished[r] for r in done] == _ids(expected)
+                assert ref.get_metrics()["num_preemptions"] == 0
 
     EngineMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)
     EngineMachine.TestCase().runTest()
@@ -226,8 +237,9 @@ def test_soak_2000_requests(tiny_folder):
     metrics = pressed.get_metrics()
     assert metrics["num_preemptions"] > 0 and metrics["prefix_cache"]["hit_tokens"] > 0
     assert len(finished) >= 0.9 * n
-    ref = LLM(tiny_folder, max_num_seqs=64, max_model_len=64, enable_prefix_caching=False)
+    ref = reference(tiny_folder)
     done = sorted(finished)
     expected = ref.generate([requests[r][0] for r in done], [requests[r][1] for r in done],
                             use_tqdm=False)
     assert [finished[r] for r in done] == _ids(expected)
+    assert ref.get_metrics()["num_preemptions"] == 0

@@ -13,10 +13,10 @@ from sfjax.engine.batch import bucket, spec_batch
 
 def shape_buckets(engine) -> list[tuple]:
     """Every (kind, N, R, draft rows) a step of this engine can take; prompt-logprob rows
-    beyond ``max_num_seqs`` draws, and sampling lists longer than 4 entries (min_tokens stop
-    ids, logit_bias, allowed_token_ids), add shapes not listed here. Over dp data shards N is
-    dp segments of a bucketed length (``batch.pack``), any shard taking the whole
-    token budget."""
+    beyond ``max_num_seqs`` draws, and sampling lists longer than ``sampling.MIN_LIST_WIDTHS``
+    (min_tokens stop ids, logit_bias, allowed_token_ids), add shapes not listed here. Over dp
+    data shards N is dp segments of a bucketed length (``batch.pack``), any shard taking the
+    whole token budget."""
     c, tile, dp = engine.config, engine.config.row_tile, engine.dp
     span = lambda lo, hi: sorted({bucket(x, tile) for x in (lo, hi)} |
                                  {b for b in (tile * 2**j for j in range(24))
@@ -38,12 +38,15 @@ def shape_buckets(engine) -> list[tuple]:
         out.append(("rounds", 0, 0, 0))
     if engine.programs.forget is not None:                 # an EAGLE head's features dropped
         out.append(("forget", 0, 0, 0))
+    if c.enable_prefix_caching:               # a cache hit's skipped tokens into the history
+        out.append(("history", 0, 0, 0))
     return out + [("slots", u, 0, 0) for u in slots.buckets(c.max_num_seqs)]
 
 
 def precompile(engine, progress: bool = True) -> float:
     """Compiles every shape bucket (``shape_buckets``) by running each step once on padding
-    rows, which write only the null block; returns the seconds spent."""
+    rows, which write only the null block (and the history write of a prefix-cache hit, of no
+    position); returns the seconds spent."""
     from tqdm.auto import tqdm
 
     t0 = time.monotonic()
@@ -55,6 +58,10 @@ def precompile(engine, progress: bool = True) -> float:
             continue
         if kind == "slots":                  # updates of the device's slot rows
             engine.state = engine.programs.update_slots(engine.state, *engine.slots.padding(n))
+            continue
+        if kind == "history":                # nothing written: positions < 0
+            row = np.zeros(engine.config.max_model_len, np.int32)
+            engine.state = engine.programs.write_history(engine.state, np.int32(0), row, np.int32(0))
             continue
         if kind == "forget":
             engine.spec.draft_cache = engine.programs.forget(engine.spec.draft_cache, np.int32(0))

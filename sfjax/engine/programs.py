@@ -74,7 +74,7 @@ def programs_for(engine) -> Programs:
     is specialised on, and nothing more (its ``RunConfig``, and the shapes and dtypes of the
     arrays it carries; the batch's shapes are keyed by jit itself): a plain round is shared by
     plain and speculating engines of one model and cache, whatever their host settings."""
-    run, spec = engine.run, engine.spec
+    run, spec = engine.run.of_device(), engine.spec
     plain = run.plain()
     target = _shapes((engine.weights, engine.state))
     draft = None if spec is None else _shapes((spec.draft_weights, spec.draft_cache))
@@ -89,8 +89,9 @@ def programs_for(engine) -> Programs:
     if spec is not None and spec.head_cfg is not None:
         progs["forget"] = _shared(("forget", draft), lambda: _jit(eagle.forget, ("state",)))
     if spec is not None:
-        progs["spec_round"] = _shared(("round", run, target, draft), lambda: _jit(
-            round_step, ("state", "draft_cache"), run=run))
+        one = engine.run.of_round()
+        progs["spec_round"] = _shared(("round", one, target, draft), lambda: _jit(
+            round_step, ("state", "draft_cache"), run=one))
     steps = engine.config.num_scheduler_steps
     progs["decode_rounds"] = _shared(
         ("decode_rounds", run, steps, target, draft),
