@@ -373,7 +373,9 @@ class Engine:
         if pos >= 0:
             req.prompt_logprobs.append(lp)
             return None
-        return self.outputs.append(req, int(drawn.tokens[i]), lp)
+        token = int(drawn.tokens[i])
+        self.outputs.append(req, token, lp)
+        return self.outputs.output(req, new_token_ids=[token])
 
     def _guarded(self, req: Request, read):
         """``read()``: one request's host work on a step's results. A failure there ends that
@@ -444,9 +446,8 @@ class Engine:
         for j in range(n):
             token = int(out[j])
             lp = self.outputs.logprob_entry(req, drawn, row + j, -1, token)
-            result = self.outputs.append(req, token, lp)
             new.append(token)
-            if result.finished:                          # a stop string may end it early
+            if self.outputs.append(req, token, lp):      # a stop string may end it early
                 break
         if req.status is not Status.FINISHED:
             # rollback: a length, nothing else. K/V is valid for the round's input token
@@ -497,17 +498,17 @@ class Engine:
             if req.spec_metrics is not None:            # adaptive_k reads them
                 so_far[req.slot] = req.spec_metrics.num_draft_tokens
                 kept[req.slot] = req.spec_metrics.num_accepted_tokens
-        n, tokens, new_len, drafted, accepted = jax.device_get(
-            self._run_rounds(prompt_len, length, last, live, num_rounds, bool(self.scheduler.waiting),
-                             so_far, kept))
-        self.stats["steps"] += int(n) - 1                   # device rounds
+        n, tokens, new_len, drafted, accepted = rounds.unpack(np.asarray(self._run_rounds(
+            prompt_len, length, last, live, num_rounds, bool(self.scheduler.waiting), so_far, kept)),
+            self.config.num_scheduler_steps)
+        self.stats["steps"] += n - 1                        # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
             req, self.batches.budget(req)) > 0}
         outputs = []
         for req in reqs:
             read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
-                                             drafted[:int(n), req.slot], accepted[:int(n), req.slot],
+                                             drafted[:n, req.slot], accepted[:n, req.slot],
                                              req.request_id in speculating)
             outputs.append(self._guarded(req, read))
         return [o for o in outputs if o is not None]
@@ -519,7 +520,7 @@ class Engine:
         for j in range(new_len - req.num_tokens):
             token = int(tokens[j])
             new.append(token)
-            if self.outputs.append(req, token, None).finished:
+            if self.outputs.append(req, token, None):
                 break
         if req.status is not Status.FINISHED:
             self.scheduler.set_computed(req, req.num_tokens - 1)
@@ -542,7 +543,7 @@ class Engine:
         spec = self.spec
         zeros = np.zeros_like(length)
         self._sync()
-        self.state, draft_cache, *out = self.programs.decode_rounds(
+        self.state, draft_cache, out = self.programs.decode_rounds(
             self.weights, spec.draft_weights if spec else None, self.state,
             spec.draft_cache if spec else None, prompt_len, length, last, live,
             zeros if drafted is None else drafted, zeros if accepted is None else accepted,

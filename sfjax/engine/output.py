@@ -19,7 +19,9 @@ class OutputProcessor:
         self.tokenizer, self.eos_token_ids, self.max_model_len = tokenizer, eos_token_ids, max_model_len
         self.stats, self.release = stats, release
 
-    def append(self, req: Request, token: int, logprob: dict[int, Logprob] | None) -> RequestOutput:
+    def append(self, req: Request, token: int, logprob: dict[int, Logprob] | None) -> bool:
+        """Appends one token (detokenized, its logprob entry kept) and applies the stop rules;
+        returns whether the request finished. Callers build one ``output`` per step."""
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
@@ -40,7 +42,7 @@ class OutputProcessor:
             self.finish(req, "stop", stop[0], text=stop[1])
         elif n >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self.finish(req, "length", None)
-        return self.output(req, new_token_ids=[token])
+        return req.status is Status.FINISHED
 
     @staticmethod
     def stop_string(req: Request, piece: str) -> tuple[str, str] | None:

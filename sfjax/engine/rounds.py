@@ -47,9 +47,10 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
     ``accepted``: each slot's request's draft tokens and accepted drafts so far (adaptive_k
     reads them).
 
-    Returns (state, draft cache, rounds run, tokens int32 [slots, max_rounds * (k + 1)] from each
-    slot's old length on, new lengths, drafts proposed and accepted drafts emitted per round and
-    slot [max_rounds, slots])."""
+    Returns (state, draft cache, int32 [slots, 2 + W + 2 * max_rounds]): per slot its new length,
+    the rounds run, its W = max_rounds * (k + 1) tokens from its old length on, and the drafts
+    proposed and the accepted drafts emitted in each round (``unpack``); one array, so the host
+    reads everything back in one transfer."""
     zeros = jnp.zeros_like(length)
     slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
     history = state.history.at[slots, length - 1].set(last, mode="drop")
@@ -62,5 +63,15 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
     width = max_rounds * (run.k_max + 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
-    return (dataclasses.replace(state, cache=st.cache, history=st.history), st.draft_cache, n,
-            tokens, st.length, drafted, accepted)
+    out = jnp.concatenate([st.length[:, None], jnp.broadcast_to(n, length.shape)[:, None], tokens,
+                           drafted.T, accepted.T], axis=1)
+    return dataclasses.replace(state, cache=st.cache, history=st.history), st.draft_cache, out
+
+
+def unpack(out, max_rounds: int):
+    """``decode_rounds``' read-back on the host: (rounds run, tokens [slots, W], new lengths
+    [slots], drafts and accepted drafts [max_rounds, slots])."""
+    width = out.shape[1] - 2 - 2 * max_rounds
+    rec = out[:, 2 + width:]
+    return (int(out[0, 1]), out[:, 2:2 + width], out[:, 0], rec[:, :max_rounds].T,
+            rec[:, max_rounds:].T)
