@@ -2,6 +2,8 @@
 speculation counters and device rounds as one step per call, with arrivals, aborts, requests
 that need the host between tokens, and a cache too small for the rounds."""
 
+import dataclasses
+
 import pytest
 
 from sfjax import LLM, SamplingParams, toy
@@ -73,9 +75,40 @@ def test_rounds_give_the_single_step_tokens(tiny_folder, folders, kind):
     assert one[4] == one[1] and many[4] < many[1], "no call ran several rounds"
 
 
+@pytest.mark.parametrize("kind", ["plain", "ngram", "draft"])
+def test_stop_strings_end_where_single_steps_do(tiny_folder, folders, kind):
+    """Stop strings taken from each request's own text (so they hit, mid-output): several rounds
+    per call still run while those requests decode, and the host cuts each at its stop string
+    where one step per call does: the same tokens, text, stop reason and speculation counters
+    (the rounds past the stop not counted), per request and in total."""
+    spec = _spec(kind, folders)
+    params = _params()[:4]
+    free = LLM(tiny_folder, **GEOMETRY, speculative_config=spec).generate(
+        PROMPTS[:4], params, use_tqdm=False)
+    stops = []
+    for o in free:
+        text = o.outputs[0].text
+        mid = len(text) // 2
+        assert len(text) > 4, "a text too short to cut"
+        stops.append([text[mid:mid + 2]])
+    cut = [dataclasses.replace(p, stop=stop) for p, stop in zip(params, stops)]
+    runs = {}
+    for steps in (1, 8):
+        llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec)
+        outs = llm.generate(PROMPTS[:4], cut, use_tqdm=False)
+        m = llm.get_metrics()
+        runs[steps] = (_summary(outs), m.get("spec_decode"), [o.metrics.spec_decode for o in outs])
+        assert (m["host_steps"] < m["steps"]) == (steps > 1)
+        check_idle(llm.engine)
+    assert runs[8] == runs[1]
+    summary = runs[1][0]
+    assert all(stop_reason == s[0] for (*_, stop_reason, _), s in zip(summary, stops))
+    assert all(len(a[1]) < len(b.outputs[0].token_ids) for a, b in zip(summary, free))
+
+
 def test_arrivals_aborts_and_host_requests_between_rounds(tiny_folder, folders):
-    """Requests arrive and are aborted while others decode; one asks for logprobs and one for a
-    stop string (the host reads them between tokens, so no rounds run while they do). Every
+    """Requests arrive and are aborted while others decode; one asks for logprobs (the host reads
+    them between tokens, so no rounds run while it decodes) and one for a stop string. Every
     request's output equals a single-step engine's, the invariants hold after every step, and
     nothing leaks."""
     spec = _spec("draft-rejection", folders)

@@ -464,8 +464,8 @@ class Engine:
 
     def _rounds_for(self, plan: list[Scheduled]) -> int:
         """Rounds to run on the device in one call (1: a single step). Several only when every
-        running request decodes, no waiting one has a free slot to be admitted to, each can run
-        without the host between tokens, and the free blocks hold every request's growth over the
+        running request decodes, no waiting one has a free slot to be admitted to, each is
+        ``rounds.eligible`` (no logprobs, the engine's own strategy), and the free blocks hold every request's growth over the
         rounds; fewer rounds are tried before giving up. Reserves the blocks."""
         r = self.config.num_scheduler_steps
         sched = self.scheduler
@@ -515,7 +515,8 @@ class Engine:
 
     def _read_rounds(self, req: Request, tokens, new_len: int, drafted, accepted,
                      speculating: bool) -> RequestOutput:
-        """One request's tokens from several rounds (its slot's row), and its counters."""
+        """One request's tokens from several rounds (its slot's row), and its counters; tokens
+        past a stop string are dropped, and so are the rounds that drew only them."""
         new = []
         for j in range(new_len - req.num_tokens):
             token = int(tokens[j])
@@ -527,9 +528,9 @@ class Engine:
         if speculating:
             if req.spec_metrics is None:
                 req.spec_metrics = speculation.SpecMetrics()
-            for d, a in zip(drafted, accepted):
+            for d, a in rounds.taken(drafted, accepted, len(new)):
                 for m in (self.spec.metrics, req.spec_metrics):
-                    m.add(int(d), int(a))
+                    m.add(d, a)
         return self.outputs.output(req, new_token_ids=new)
 
     def _sync(self) -> None:

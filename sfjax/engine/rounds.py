@@ -26,11 +26,25 @@ from sfjax.step import DeviceState
 
 
 def eligible(req: Request, strategy_slot: int) -> bool:
-    """Whether the device alone can run the request's rounds: nothing in its params needs the
-    host between tokens (stop strings, logprobs), and its strategy is the engine's own (a
-    per-request opt-out decodes one step at a time)."""
-    p = req.params
-    return not p.stop and p.logprobs is None and req.strategy_slot == strategy_slot
+    """Whether the device alone can run the request's rounds: no logprobs (the rounds draw no
+    logprob rows), and its strategy is the engine's own (a per-request opt-out decodes one step
+    at a time). Stop strings are the host's: it reads the rounds' tokens in order and drops
+    those past the one that completes a stop string (``taken``)."""
+    return req.params.logprobs is None and req.strategy_slot == strategy_slot
+
+
+def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
+    """(drafts, accepted drafts) of the rounds that emitted a slot's first ``num_tokens`` tokens,
+    from its per-round counts (``unpack``): a round emits its accepted drafts and the target's
+    token, and the last round taken counts only the drafts taken (a stop string cut it on the
+    host), as a single step counts the round a stop string cuts."""
+    out = []
+    for d, a in zip(drafted, accepted):
+        if num_tokens <= 0:
+            break
+        out.append((int(d), min(int(a), num_tokens)))
+        num_tokens -= int(a) + 1
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("run", "max_rounds"),
