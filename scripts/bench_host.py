@@ -3,13 +3,14 @@
 Run:
     cd /work/main && . .venv/bin/activate && python scripts/bench_host.py
     python scripts/bench_host.py [--batch-sizes 1,32] [--max-tokens 64] [--steps 1,8] [--repeats 3]
-        [--stop STRING ...]
+        [--stop STRING ...] [--logprobs N]
 
 Per (batch size B, method plain | ngram, num_scheduler_steps), B prompts of 48 random token ids
 (fixed seed) generate exactly --max-tokens tokens each, half greedy and half seeded T = 0.8 with
 top-p and a presence penalty (so the per-request sampling settings are real work); with
 --stop, every request carries those stop strings (pick ones the output never completes, so the
-work stays the same: the host still checks them after every token). A warm-up
+work stays the same: the host still checks them after every token); with --logprobs N, every
+request asks for its tokens' top-N logprobs. A warm-up
 run compiles; the timed run wraps the engine's compiled programs so each call blocks until its
 outputs are ready, and splits every ``Engine.step`` into
   * device: the time inside the engine's programs (one round, or several per call);
@@ -73,6 +74,7 @@ def main():
     ap.add_argument("--steps", default="1,8", help="num_scheduler_steps values")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    ap.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
     args = ap.parse_args()
 
     from sfjax import LLM, SamplingParams
@@ -84,10 +86,11 @@ def main():
     for b in map(int, args.batch_sizes.split(",")):
         prompts = [{"prompt_token_ids": rng.integers(3, 2000, 48).tolist()} for _ in range(b)]
         params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
-                                 stop=args.stop)
+                                 stop=args.stop, logprobs=args.logprobs)
                   if i % 2 == 0 else
                   SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.3, seed=i,
-                                 max_tokens=args.max_tokens, ignore_eos=True, stop=args.stop)
+                                 max_tokens=args.max_tokens, ignore_eos=True, stop=args.stop,
+                                 logprobs=args.logprobs)
                   for i in range(b)]
         for method in ("plain", "ngram"):
             for steps in map(int, args.steps.split(",")):

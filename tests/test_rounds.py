@@ -106,9 +106,35 @@ def test_stop_strings_end_where_single_steps_do(tiny_folder, folders, kind):
     assert all(len(a[1]) < len(b.outputs[0].token_ids) for a, b in zip(summary, free))
 
 
+@pytest.mark.parametrize("kind", ["plain", "ngram", "draft-rejection"])
+def test_logprobs_come_back_with_the_rounds_tokens(tiny_folder, folders, kind):
+    """Requests asking for logprobs (top 3, top 0, and none beside them) run several rounds per
+    call, and each token's logprob entry (its logprob, rank and the top ids, bitwise) and the
+    cumulative logprob equal one step per call's; under rejection sampling the entries are those
+    of the emitted tokens, which may differ from the target's draws."""
+    spec = _spec(kind, folders)
+    params = [dataclasses.replace(p, logprobs=n) for p, n in zip(_params()[:4], (3, None, 0, 20))]
+    runs = {}
+    for steps in (1, 8):
+        llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec)
+        outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+        m = llm.get_metrics()
+        runs[steps] = [(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                        o.outputs[0].cumulative_logprob, o.metrics.spec_decode) for o in outs]
+        assert (m["host_steps"] < m["steps"]) == (steps > 1)
+        check_idle(llm.engine)
+    assert runs[8] == runs[1]
+    for (ids, lps, cum, _), p in zip(runs[1], params):
+        if p.logprobs is None:
+            assert lps is None and cum is None
+            continue
+        assert len(lps) == len(ids) and all(len(e) >= max(p.logprobs, 1) for e in lps)
+        assert cum == pytest.approx(sum(e[t].logprob for e, t in zip(lps, ids)))
+
+
 def test_arrivals_aborts_and_host_requests_between_rounds(tiny_folder, folders):
-    """Requests arrive and are aborted while others decode; one asks for logprobs (the host reads
-    them between tokens, so no rounds run while it decodes) and one for a stop string. Every
+    """Requests arrive and are aborted while others decode; one asks for logprobs and one for a
+    stop string. Every
     request's output equals a single-step engine's, the invariants hold after every step, and
     nothing leaks."""
     spec = _spec("draft-rejection", folders)

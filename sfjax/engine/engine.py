@@ -465,7 +465,7 @@ class Engine:
     def _rounds_for(self, plan: list[Scheduled]) -> int:
         """Rounds to run on the device in one call (1: a single step). Several only when every
         running request decodes, no waiting one has a free slot to be admitted to, each is
-        ``rounds.eligible`` (no logprobs, the engine's own strategy), and the free blocks hold every request's growth over the
+        ``rounds.eligible`` (the engine's own strategy), and the free blocks hold every request's growth over the
         rounds; fewer rounds are tried before giving up. Reserves the blocks."""
         r = self.config.num_scheduler_steps
         sched = self.scheduler
@@ -498,9 +498,12 @@ class Engine:
             if req.spec_metrics is not None:            # adaptive_k reads them
                 so_far[req.slot] = req.spec_metrics.num_draft_tokens
                 kept[req.slot] = req.spec_metrics.num_accepted_tokens
-        n, tokens, new_len, drafted, accepted = rounds.unpack(np.asarray(self._run_rounds(
-            prompt_len, length, last, live, num_rounds, bool(self.scheduler.waiting), so_far, kept)),
-            self.config.num_scheduler_steps)
+        with_logprobs = any(req.params.logprobs is not None for req in reqs)
+        out, logprobs = self._run_rounds(prompt_len, length, last, live, num_rounds,
+                                         bool(self.scheduler.waiting), so_far, kept, with_logprobs)
+        n, tokens, new_len, drafted, accepted = rounds.unpack(np.asarray(out),
+                                                              self.config.num_scheduler_steps)
+        logprobs = np.asarray(logprobs) if with_logprobs else None     # else never read back
         self.stats["steps"] += n - 1                        # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
@@ -509,19 +512,23 @@ class Engine:
         for req in reqs:
             read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
                                              drafted[:n, req.slot], accepted[:n, req.slot],
-                                             req.request_id in speculating)
+                                             req.request_id in speculating,
+                                             req.params.logprobs is not None and
+                                             rounds.unpack_logprobs(logprobs, req.slot))
             outputs.append(self._guarded(req, read))
         return [o for o in outputs if o is not None]
 
     def _read_rounds(self, req: Request, tokens, new_len: int, drafted, accepted,
-                     speculating: bool) -> RequestOutput:
-        """One request's tokens from several rounds (its slot's row), and its counters; tokens
-        past a stop string are dropped, and so are the rounds that drew only them."""
+                     speculating: bool, drawn) -> RequestOutput:
+        """One request's tokens from several rounds (its slot's row, with their logprobs in
+        ``drawn``, or False if it asked for none), and its counters; tokens past a stop string
+        are dropped, and so are the rounds that drew only them."""
         new = []
         for j in range(new_len - req.num_tokens):
             token = int(tokens[j])
             new.append(token)
-            if self.outputs.append(req, token, None):
+            lp = self.outputs.logprob_entry(req, drawn, j, -1, token) if drawn else None
+            if self.outputs.append(req, token, lp):
                 break
         if req.status is not Status.FINISHED:
             self.scheduler.set_computed(req, req.num_tokens - 1)
@@ -540,18 +547,18 @@ class Engine:
         self._dispatched = True
 
     def _run_rounds(self, prompt_len, length, last, live, num_rounds, until_one_ends=False,
-                    drafted=None, accepted=None):
+                    drafted=None, accepted=None, with_logprobs=False):
         spec = self.spec
         zeros = np.zeros_like(length)
         self._sync()
-        self.state, draft_cache, out = self.programs.decode_rounds(
+        self.state, draft_cache, out, logprobs = self.programs.decode_rounds(
             self.weights, spec.draft_weights if spec else None, self.state,
             spec.draft_cache if spec else None, prompt_len, length, last, live,
             zeros if drafted is None else drafted, zeros if accepted is None else accepted,
-            np.int32(num_rounds), np.bool_(until_one_ends))
+            np.int32(num_rounds), np.bool_(until_one_ends), np.bool_(with_logprobs))
         if spec:
             spec.draft_cache = draft_cache
-        return out
+        return out, logprobs
 
     def _run_plain(self, batch: StepBatch):
         self._sync()

@@ -17,20 +17,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from sfjax import functional as F
 from sfjax.cache import KVCache
 from sfjax.engine.scheduler import Request
 from sfjax.run import RunConfig
+from sfjax.sampling import Drawn
 from sfjax.step import DeviceState
 
 
 def eligible(req: Request, strategy_slot: int) -> bool:
-    """Whether the device alone can run the request's rounds: no logprobs (the rounds draw no
-    logprob rows), and its strategy is the engine's own (a per-request opt-out decodes one step
-    at a time). Stop strings are the host's: it reads the rounds' tokens in order and drops
-    those past the one that completes a stop string (``taken``)."""
-    return req.params.logprobs is None and req.strategy_slot == strategy_slot
+    """Whether the device alone can run the request's rounds: its strategy is the engine's own
+    (a per-request opt-out decodes one step at a time). Stop strings are the host's: it reads the
+    rounds' tokens in order and drops those past the one that completes a stop string
+    (``taken``); logprobs come back with the tokens."""
+    return req.strategy_slot == strategy_slot
 
 
 def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
@@ -51,7 +54,7 @@ def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
                    donate_argnames=("state", "draft_cache"))
 def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
                   prompt_len, length, last, live, drafted, accepted, num_rounds, until_one_ends,
-                  *, run: RunConfig, max_rounds: int):
+                  with_logprobs, *, run: RunConfig, max_rounds: int):
     """Up to ``num_rounds`` rounds for the ``live`` slots, with the state's block tables and
     sampling table. DONATES ``state`` and ``draft_cache``.
 
@@ -59,12 +62,14 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
     ``last`` is each slot's newest token (drawn, not yet fed: the engine's history records tokens
     as they are fed; the rounds read a row's input token from the history). ``drafted`` and
     ``accepted``: each slot's request's draft tokens and accepted drafts so far (adaptive_k
-    reads them).
+    reads them). ``with_logprobs``: compute each new token's raw logprobs (a slot asks for them).
 
-    Returns (state, draft cache, int32 [slots, 2 + W + 2 * max_rounds]): per slot its new length,
-    the rounds run, its W = max_rounds * (k + 1) tokens from its old length on, and the drafts
-    proposed and the accepted drafts emitted in each round (``unpack``); one array, so the host
-    reads everything back in one transfer."""
+    Returns (state, draft cache, int32 [slots, 2 + W + 2 * max_rounds], int32 [slots, 2, W, 21]):
+    per slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens from its old
+    length on, and the drafts proposed and the accepted drafts emitted in each round
+    (``unpack``): one array, so the host reads everything back in one transfer; then per token
+    its rank and top-20 ids, and (as float32 bits) its logprob and the top 20
+    (``unpack_logprobs``), read back only when a slot asked for them."""
     zeros = jnp.zeros_like(length)
     slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
     history = state.history.at[slots, length - 1].set(last, mode="drop")
@@ -72,14 +77,16 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
                  block_tables=state.block_tables, prompt_len=prompt_len, length=length,
                  done=~live, sampling=state.table, num_drafts=zeros, num_draft_tokens=drafted,
                  num_accepted_tokens=accepted)
-    st, n, drafted, accepted = F.run_rounds(weights, draft_weights, st, run, num_rounds, max_rounds,
-                                              until_one_ends)
+    st, n, drafted, accepted, ids, vals = F.run_rounds(weights, draft_weights, st, run, num_rounds,
+                                                       max_rounds, until_one_ends, with_logprobs)
     width = max_rounds * (run.k_max + 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
     out = jnp.concatenate([st.length[:, None], jnp.broadcast_to(n, length.shape)[:, None], tokens,
                            drafted.T, accepted.T], axis=1)
-    return dataclasses.replace(state, cache=st.cache, history=st.history), st.draft_cache, out
+    logprobs = jnp.stack([ids, lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
+    return (dataclasses.replace(state, cache=st.cache, history=st.history), st.draft_cache, out,
+            logprobs)
 
 
 def unpack(out, max_rounds: int):
@@ -89,3 +96,11 @@ def unpack(out, max_rounds: int):
     rec = out[:, 2 + width:]
     return (int(out[0, 1]), out[:, 2:2 + width], out[:, 0], rec[:, :max_rounds].T,
             rec[:, max_rounds:].T)
+
+
+def unpack_logprobs(logprobs, slot: int) -> Drawn:
+    """One slot's tokens' raw logprobs from ``decode_rounds``' second array (on the host), as a
+    ``sampling.Drawn`` of numpy arrays over its W tokens (no tokens field)."""
+    ids, vals = logprobs[slot, 0], np.ascontiguousarray(logprobs[slot, 1]).view(np.float32)
+    return Drawn(tokens=None, logprob=vals[:, 0], rank=ids[:, 0], top_ids=ids[:, 1:],
+                 top_logprobs=vals[:, 1:])
