@@ -251,13 +251,13 @@ def device_state(st: State) -> DeviceState:
 def _round(w, dw, st: State, cfg: Config) -> State:
     """One round for every live row (``round.round_step``): plain (one token each) or
     speculative (up to k + 1)."""
-    return _round_reported(w, dw, st, cfg, jnp.bool_(False))[0]
+    return _round_reported(w, dw, st, cfg, False)[0]
 
 
-def _round_reported(w, dw, st: State, cfg: Config, with_logprobs):
-    """``_round``, and the raw logprobs of the tokens each row may emit (``sampling.raw_logprobs``,
-    computed if the traced ``with_logprobs``): (state, (logprob float32 [B, K1], rank, top ids
-    and top logprobs [B, K1, 20]) by slot, entry j for the row's j-th token of the round)."""
+def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
+    """``_round``, and with ``with_logprobs`` (static) the raw logprobs of the tokens each row may
+    emit (``sampling.raw_logprobs``): (state, (logprob float32 [B, K1], rank, top ids and top
+    logprobs [B, K1, 20]) by slot, entry j for the row's j-th token of the round, or None)."""
     s = st.length.shape[0]
     order = jnp.argsort(st.done, stable=True).astype(jnp.int32)   # live rows first, as the step wants
     live = ~st.done[order]
@@ -275,17 +275,18 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs):
         tokens=put(0, last), positions=put(-1, jnp.where(live, length - 1, -1)),
         slots=put(-1, slot),
         logit_rows=jnp.concatenate([jnp.where(rows < n, rows, 0), jnp.arange(s * k1, r)]),
-        num_logit_rows=n_live * k1, with_logprobs=with_logprobs,
+        num_logit_rows=n_live * k1, with_logprobs=jnp.bool_(with_logprobs),
         draws=_draws(order, length, plen, k1, r))
     sb = None if spec is None else _spec_batch(st, cfg, order, live, length, plen, last, first)
     dev, dcache, drawn, v = round_step(w, dw, device_state(st), st.draft_cache, batch, sb, run=cfg)
     # the round donates the state it is given (a call outside jit): keep what it returns
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache, sampling=dev.table,
                              block_tables=dev.block_tables)
-    # logit rows are slot-major by ``order``: row r's K1 rows first (its verify rows)
-    by_slot = lambda x: jnp.zeros((s, k1, *x.shape[1:]), x.dtype).at[order].set(
-        x[:s * k1].reshape(s, k1, *x.shape[1:]))
-    report = tuple(map(by_slot, (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs)))
+    report = None
+    if with_logprobs:         # logit rows are slot-major by ``order``: row r's K1 rows first
+        by_slot = lambda x: jnp.zeros((s, k1, *x.shape[1:]), x.dtype).at[order].set(
+            x[:s * k1].reshape(s, k1, *x.shape[1:]))
+        report = tuple(map(by_slot, (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs)))
     if v is None:
         zero = jnp.zeros(s, jnp.int32)
         return _commit(st, order, live, drawn.tokens[:s, None], live.astype(jnp.int32), zero, zero,
@@ -330,11 +331,11 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     """Up to ``num_rounds`` (traced, at most the static ``max_rounds``) rounds, stopping as soon as
     every row is done, or (``until_one_ends``, traced) once any row that was live has ended;
     weights as ``_weights`` returns them. Returns (state, rounds run, per round and row the
-    drafts proposed and the accepted drafts emitted, int32 [max_rounds, B], and the raw logprobs
-    of each row's new tokens in order: ids int32 [B, W, 21] (the token's rank, then the top 20
-    ids) and values float32 [B, W, 21] (its logprob, then the top 20), W = max_rounds * (k + 1),
-    zeros unless the traced ``with_logprobs``): the engine's several rounds per host call
-    (``Engine.step``)."""
+    drafts proposed and the accepted drafts emitted, int32 [max_rounds, B], and with the static
+    ``with_logprobs`` the raw logprobs of each row's new tokens in order: ids int32 [B, W, 21]
+    (the token's rank, then the top 20 ids) and values float32 [B, W, 21] (its logprob, then the
+    top 20), W = max_rounds * (k + 1); else None, None): the engine's several rounds per host
+    call (``Engine.step``)."""
     b = state.length.shape[0]
     rec = jnp.zeros((max_rounds, b), jnp.int32)
     spec = cfg.speculative_config
@@ -345,22 +346,30 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
 
     def body(c):
         i, st, drafted, accepted, ids, vals = c
-        new, (lp, rank, top_ids, top_lps) = _round_reported(w, dw, st, cfg, with_logprobs)
+        new, report = _round_reported(w, dw, st, cfg, with_logprobs)
+        if with_logprobs:
+            ids, vals = record(st, new, report, ids, vals)
+        return (i + 1, new, drafted.at[i].set(new.num_draft_tokens - st.num_draft_tokens),
+                accepted.at[i].set(new.num_accepted_tokens - st.num_accepted_tokens), ids, vals)
+
+    def record(st, new, report, ids, vals):
+        lp, rank, top_ids, top_lps = report
         j = jnp.arange(k1)[None, :]
         at = jnp.where(j < (new.length - st.length)[:, None],
                        st.length[:, None] - state.length[:, None] + j, width)   # [B, K1]
         rows = jnp.arange(b)[:, None]
         ids = ids.at[rows, at].set(jnp.concatenate([rank[..., None], top_ids], -1), mode="drop")
         vals = vals.at[rows, at].set(jnp.concatenate([lp[..., None], top_lps], -1), mode="drop")
-        return (i + 1, new, drafted.at[i].set(new.num_draft_tokens - st.num_draft_tokens),
-                accepted.at[i].set(new.num_accepted_tokens - st.num_accepted_tokens), ids, vals)
+        return ids, vals
 
     was_live = ~state.done
     more = lambda c: ((c[0] < jnp.minimum(num_rounds, max_rounds)) & jnp.any(~c[1].done)
                       & ~(until_one_ends & jnp.any(c[1].done & was_live)))
+    if not with_logprobs:                # nothing carried for them
+        ids = vals = jnp.zeros((b, 0), jnp.int32)
     n, state, drafted, accepted, ids, vals = lax.while_loop(
         more, body, (jnp.int32(0), state, rec, rec, ids, vals))
-    return state, n, drafted, accepted, ids, vals
+    return (state, n, drafted, accepted) + ((ids, vals) if with_logprobs else (None, None))
 
 
 def outputs(state: State, width: int) -> Outputs:

@@ -34,8 +34,8 @@ def shape_buckets(engine) -> list[tuple]:
         rs = span(verify, verify + max_draws)
         ds = lambda n: [n, 2 * n] if engine.spec.draft_cfg is not None else [tile]
         out += [("spec", n, r, d) for n in ns for r in rs for d in ds(n)]
-    if c.num_scheduler_steps > 1:                                  # the rounds' one program
-        out.append(("rounds", 0, 0, 0))
+    if c.num_scheduler_steps > 1:            # the rounds' program, and with logprobs (N = 1)
+        out += [("rounds", 0, 0, 0), ("rounds", 1, 0, 0)]
     if engine.programs.forget is not None:                 # an EAGLE head's features dropped
         out.append(("forget", 0, 0, 0))
     if c.enable_prefix_caching:               # a cache hit's skipped tokens into the history
@@ -69,7 +69,7 @@ def precompile(engine, progress: bool = True) -> float:
         if kind == "rounds":                 # no live slot: the loop ends before a round
             s = engine.config.max_num_seqs
             zeros = np.zeros(s, np.int32)
-            engine._run_rounds(zeros, zeros, zeros, np.zeros(s, bool), 0)
+            engine._run_rounds(zeros, zeros, zeros, np.zeros(s, bool), 0, with_logprobs=n == 1)
             continue
         k1 = engine.spec.k_max + 1
         tail = [(None, -1, 0)] * r

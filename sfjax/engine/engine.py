@@ -503,7 +503,7 @@ class Engine:
                                          bool(self.scheduler.waiting), so_far, kept, with_logprobs)
         n, tokens, new_len, drafted, accepted = rounds.unpack(np.asarray(out),
                                                               self.config.num_scheduler_steps)
-        logprobs = np.asarray(logprobs) if with_logprobs else None     # else never read back
+        logprobs = None if logprobs is None else np.asarray(logprobs)
         self.stats["steps"] += n - 1                        # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
@@ -551,11 +551,13 @@ class Engine:
         spec = self.spec
         zeros = np.zeros_like(length)
         self._sync()
-        self.state, draft_cache, out, logprobs = self.programs.decode_rounds(
+        program = (self.programs.decode_rounds_logprobs if with_logprobs
+                   else self.programs.decode_rounds)
+        self.state, draft_cache, out, logprobs = program(
             self.weights, spec.draft_weights if spec else None, self.state,
             spec.draft_cache if spec else None, prompt_len, length, last, live,
             zeros if drafted is None else drafted, zeros if accepted is None else accepted,
-            np.int32(num_rounds), np.bool_(until_one_ends), np.bool_(with_logprobs))
+            np.int32(num_rounds), np.bool_(until_one_ends))
         if spec:
             spec.draft_cache = draft_cache
         return out, logprobs

@@ -43,6 +43,7 @@ class Programs:
     plain_round: Callable
     spec_round: Callable | None
     decode_rounds: Callable     # rounds.decode_rounds without its static arguments
+    decode_rounds_logprobs: Callable   # the same, recording the new tokens' logprobs
     write_history: Callable     # (state, slot, row, n) -> state
     update_slots: Callable      # (state, slots, block rows, sampling rows) -> state
     forget: Callable | None     # eagle3: (head state, slot) -> head state (``eagle.forget``)
@@ -93,9 +94,11 @@ def programs_for(engine) -> Programs:
         progs["spec_round"] = _shared(("round", one, target, draft), lambda: _jit(
             round_step, ("state", "draft_cache"), run=one))
     steps = engine.config.num_scheduler_steps
-    progs["decode_rounds"] = _shared(
-        ("decode_rounds", run, steps, target, draft),
-        lambda: _jit(rounds.decode_rounds, ("state", "draft_cache"), run=run, max_rounds=steps))
+    for name, logprobs in (("decode_rounds", False), ("decode_rounds_logprobs", True)):
+        progs[name] = _shared(
+            ("decode_rounds", run, steps, logprobs, target, draft),
+            lambda logprobs=logprobs: _jit(rounds.decode_rounds, ("state", "draft_cache"), run=run,
+                                           max_rounds=steps, with_logprobs=logprobs))
     return Programs(**progs)
 
 

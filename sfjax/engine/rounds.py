@@ -50,11 +50,11 @@ def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("run", "max_rounds"),
+@functools.partial(jax.jit, static_argnames=("run", "max_rounds", "with_logprobs"),
                    donate_argnames=("state", "draft_cache"))
 def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
                   prompt_len, length, last, live, drafted, accepted, num_rounds, until_one_ends,
-                  with_logprobs, *, run: RunConfig, max_rounds: int):
+                  *, run: RunConfig, max_rounds: int, with_logprobs: bool = False):
     """Up to ``num_rounds`` rounds for the ``live`` slots, with the state's block tables and
     sampling table. DONATES ``state`` and ``draft_cache``.
 
@@ -62,14 +62,16 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
     ``last`` is each slot's newest token (drawn, not yet fed: the engine's history records tokens
     as they are fed; the rounds read a row's input token from the history). ``drafted`` and
     ``accepted``: each slot's request's draft tokens and accepted drafts so far (adaptive_k
-    reads them). ``with_logprobs``: compute each new token's raw logprobs (a slot asks for them).
+    reads them). ``with_logprobs`` (static: a program of its own, so the rounds without it
+    compute and carry nothing more): record each new token's raw logprobs.
 
-    Returns (state, draft cache, int32 [slots, 2 + W + 2 * max_rounds], int32 [slots, 2, W, 21]):
+    Returns (state, draft cache, int32 [slots, 2 + W + 2 * max_rounds], int32 [slots, 2, W, 21]
+    or None):
     per slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens from its old
     length on, and the drafts proposed and the accepted drafts emitted in each round
     (``unpack``): one array, so the host reads everything back in one transfer; then per token
     its rank and top-20 ids, and (as float32 bits) its logprob and the top 20
-    (``unpack_logprobs``), read back only when a slot asked for them."""
+    (``unpack_logprobs``), with ``with_logprobs`` only."""
     zeros = jnp.zeros_like(length)
     slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
     history = state.history.at[slots, length - 1].set(last, mode="drop")
@@ -84,7 +86,8 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
     out = jnp.concatenate([st.length[:, None], jnp.broadcast_to(n, length.shape)[:, None], tokens,
                            drafted.T, accepted.T], axis=1)
-    logprobs = jnp.stack([ids, lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
+    logprobs = (jnp.stack([ids, lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
+                if with_logprobs else None)
     return (dataclasses.replace(state, cache=st.cache, history=st.history), st.draft_cache, out,
             logprobs)
 
