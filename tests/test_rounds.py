@@ -75,56 +75,40 @@ def test_rounds_give_the_single_step_tokens(tiny_folder, folders, kind):
     assert one[4] == one[1] and many[4] < many[1], "no call ran several rounds"
 
 
-@pytest.mark.parametrize("kind", ["plain", "ngram", "draft"])
-def test_stop_strings_end_where_single_steps_do(tiny_folder, folders, kind):
-    """Stop strings taken from each request's own text (so they hit, mid-output): several rounds
-    per call still run while those requests decode, and the host cuts each at its stop string
-    where one step per call does: the same tokens, text, stop reason and speculation counters
-    (the rounds past the stop not counted), per request and in total."""
+@pytest.mark.parametrize("kind", ["plain", "ngram", "draft-rejection"])
+def test_stop_strings_and_logprobs_run_in_rounds(tiny_folder, folders, kind):
+    """Stop strings taken from each request's own text (so they hit, mid-output), and logprobs
+    (top 3, none, top 0, top 20): several rounds per call still run while these requests decode.
+    The host cuts each text at its stop string where one step per call does, and every output
+    equals one step per call's: tokens, text, stop reason, each token's logprob entry (its
+    logprob, rank and top ids, bitwise), the cumulative logprob, and the speculation counters
+    (the rounds past a stop not counted), per request and in total. Under rejection sampling
+    the entries are those of the emitted tokens, which may differ from the target's draws."""
     spec = _spec(kind, folders)
-    params = _params()[:4]
     free = LLM(tiny_folder, **GEOMETRY, speculative_config=spec).generate(
-        PROMPTS[:4], params, use_tqdm=False)
+        PROMPTS[:4], _params()[:4], use_tqdm=False)
     stops = []
     for o in free:
         text = o.outputs[0].text
-        mid = len(text) // 2
         assert len(text) > 4, "a text too short to cut"
-        stops.append([text[mid:mid + 2]])
-    cut = [dataclasses.replace(p, stop=stop) for p, stop in zip(params, stops)]
-    runs = {}
-    for steps in (1, 8):
-        llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec)
-        outs = llm.generate(PROMPTS[:4], cut, use_tqdm=False)
-        m = llm.get_metrics()
-        runs[steps] = (_summary(outs), m.get("spec_decode"), [o.metrics.spec_decode for o in outs])
-        assert (m["host_steps"] < m["steps"]) == (steps > 1)
-        check_idle(llm.engine)
-    assert runs[8] == runs[1]
-    summary = runs[1][0]
-    assert all(stop_reason == s[0] for (*_, stop_reason, _), s in zip(summary, stops))
-    assert all(len(a[1]) < len(b.outputs[0].token_ids) for a, b in zip(summary, free))
-
-
-@pytest.mark.parametrize("kind", ["plain", "ngram", "draft-rejection"])
-def test_logprobs_come_back_with_the_rounds_tokens(tiny_folder, folders, kind):
-    """Requests asking for logprobs (top 3, top 0, and none beside them) run several rounds per
-    call, and each token's logprob entry (its logprob, rank and the top ids, bitwise) and the
-    cumulative logprob equal one step per call's; under rejection sampling the entries are those
-    of the emitted tokens, which may differ from the target's draws."""
-    spec = _spec(kind, folders)
-    params = [dataclasses.replace(p, logprobs=n) for p, n in zip(_params()[:4], (3, None, 0, 20))]
+        stops.append([text[len(text) // 2:len(text) // 2 + 2]])
+    params = [dataclasses.replace(p, stop=stop, logprobs=n)
+              for p, stop, n in zip(_params()[:4], stops, (3, None, 0, 20))]
     runs = {}
     for steps in (1, 8):
         llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec)
         outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
         m = llm.get_metrics()
-        runs[steps] = [(o.outputs[0].token_ids, o.outputs[0].logprobs,
-                        o.outputs[0].cumulative_logprob, o.metrics.spec_decode) for o in outs]
-        assert (m["host_steps"] < m["steps"]) == (steps > 1)
+        runs[steps] = (_summary(outs), m.get("spec_decode"),
+                       [(o.outputs[0].logprobs, o.outputs[0].cumulative_logprob,
+                         o.metrics.spec_decode) for o in outs])
+        assert (m["host_steps"] < m["steps"]) == (steps > 1), "no call ran several rounds"
         check_idle(llm.engine)
     assert runs[8] == runs[1]
-    for (ids, lps, cum, _), p in zip(runs[1], params):
+    summary, _, reported = runs[1]
+    assert [o[3] for o in summary] == [s[0] for s in stops]          # each cut at its stop
+    assert all(len(a[1]) < len(b.outputs[0].token_ids) for a, b in zip(summary, free))
+    for (_, ids, *_), (lps, cum, _), p in zip(summary, reported, params):
         if p.logprobs is None:
             assert lps is None and cum is None
             continue
