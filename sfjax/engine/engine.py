@@ -465,8 +465,8 @@ class Engine:
     def _rounds_for(self, plan: list[Scheduled]) -> int:
         """Rounds to run on the device in one call (1: a single step). Several only when every
         running request decodes, no waiting one has a free slot to be admitted to, each is
-        ``rounds.eligible`` (the engine's own strategy), and the free blocks hold every request's growth over the
-        rounds; fewer rounds are tried before giving up. Reserves the blocks."""
+        ``rounds.eligible`` (the engine's own strategy), and the free blocks hold every request's
+        growth over the rounds; fewer rounds are tried before giving up. Reserves the blocks."""
         r = self.config.num_scheduler_steps
         sched = self.scheduler
         if r <= 1 or (sched.waiting and sched.has_free_slot()) or len(plan) != len(sched.running):
