@@ -341,8 +341,8 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     spec = cfg.speculative_config
     k1 = spec.num_speculative_tokens + 1 if spec else 1
     width = max_rounds * k1
-    ids = jnp.zeros((b, width, 1 + sampling_params.MAX_LOGPROBS), jnp.int32)
-    vals = jnp.zeros(ids.shape, jnp.float32)
+    shape = (b, width, 1 + sampling_params.MAX_LOGPROBS) if with_logprobs else (b, 0)
+    ids, vals = jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
 
     def body(c):
         i, st, drafted, accepted, ids, vals = c
@@ -365,8 +365,6 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     was_live = ~state.done
     more = lambda c: ((c[0] < jnp.minimum(num_rounds, max_rounds)) & jnp.any(~c[1].done)
                       & ~(until_one_ends & jnp.any(c[1].done & was_live)))
-    if not with_logprobs:                # nothing carried for them
-        ids = vals = jnp.zeros((b, 0), jnp.int32)
     n, state, drafted, accepted, ids, vals = lax.while_loop(
         more, body, (jnp.int32(0), state, rec, rec, ids, vals))
     return (state, n, drafted, accepted) + ((ids, vals) if with_logprobs else (None, None))

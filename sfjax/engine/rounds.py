@@ -65,13 +65,12 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
     reads them). ``with_logprobs`` (static: a program of its own, so the rounds without it
     compute and carry nothing more): record each new token's raw logprobs.
 
-    Returns (state, draft cache, int32 [slots, 2 + W + 2 * max_rounds], int32 [slots, 2, W, 21]
-    or None):
+    Returns (state, draft cache, out, logprobs). ``out``, int32 [slots, 2 + W + 2 * max_rounds]:
     per slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens from its old
     length on, and the drafts proposed and the accepted drafts emitted in each round
-    (``unpack``): one array, so the host reads everything back in one transfer; then per token
-    its rank and top-20 ids, and (as float32 bits) its logprob and the top 20
-    (``unpack_logprobs``), with ``with_logprobs`` only."""
+    (``unpack``): one array, so the host reads everything back in one transfer. ``logprobs``,
+    int32 [slots, 2, W, 21] with ``with_logprobs`` (else None): per token its rank and top-20
+    ids, then (as float32 bits) its logprob and the top 20 (``unpack_logprobs``)."""
     zeros = jnp.zeros_like(length)
     slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
     history = state.history.at[slots, length - 1].set(last, mode="drop")
