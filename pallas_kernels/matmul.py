@@ -202,6 +202,37 @@ def _pallas_call(kernel, grid, in_specs, out_specs, out_shape, backend, interpre
                           out_specs=out_specs, interpret=interpret, compiler_params=params)
 
 
+def _checked(x, w, norm_weight, eps) -> tuple:
+    """``w`` as a tuple of weights, after checking they fit ``x`` and each other."""
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    k = x.shape[1]
+    for a in ws:
+        if a.shape[1] != k:
+            raise ValueError(f"matmul: x has K = {k}, w has K = {a.shape[1]}")
+    if len({a.shape[0] for a in ws}) != 1:
+        raise ValueError(f"matmul: the weights have other column block counts: {[a.shape for a in ws]}")
+    if (norm_weight is None) != (eps is None):
+        raise ValueError("matmul: a norm needs both norm_weight and eps")
+    return ws
+
+
+def _weight_specs(k: int, block_k: int, block_n, tiles, starts, k_on_grid: bool) -> list:
+    """The weights' block specs over the grid (i, c, j[, s]). A weight's tile index is held at
+    its first / last tile outside its own range of j: a block whose index doesn't change between
+    grid steps is neither fetched nor written back again; its K block likewise (the first
+    before its range, the last after it)."""
+    steps = k // block_k
+    tile = lambda j, t: jnp.clip(j - starts[t], 0, tiles[t] - 1)
+    kblock = lambda j, s, t: jnp.where(j < starts[t], 0,
+                                       jnp.where(j >= starts[t] + tiles[t], steps - 1, s))
+    if k_on_grid:
+        return [pl.BlockSpec((None, block_k, bn),
+                             lambda i, c, j, s, *_, t=t: (c, kblock(j, s, t), tile(j, t)))
+                for t, bn in enumerate(block_n)]
+    return [pl.BlockSpec((None, k, bn), lambda i, c, j, *_, t=t: (c, 0, tile(j, t)))
+            for t, bn in enumerate(block_n)]
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "eps", "block_m", "interpret", "backend"))
 def matmul_kernel(x, w, num_rows=None, norm_weight=None, *, eps: float | None = None,
                   out_dtype=None, block_m: int | None = None, interpret: bool = False,
@@ -215,15 +246,8 @@ def matmul_kernel(x, w, num_rows=None, norm_weight=None, *, eps: float | None = 
     block, by default ``BLOCK_M[backend]``; a row's bits are the same for every M at one
     ``block_m``, not across ``block_m``s.
     """
-    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    ws = _checked(x, w, norm_weight, eps)
     m, k = x.shape
-    for a in ws:
-        if a.shape[1] != k:
-            raise ValueError(f"matmul: x has K = {k}, w has K = {a.shape[1]}")
-    if len({a.shape[0] for a in ws}) != 1:
-        raise ValueError(f"matmul: the weights have other column block counts: {[a.shape for a in ws]}")
-    if (norm_weight is None) != (eps is None):
-        raise ValueError("matmul: a norm needs both norm_weight and eps")
     u = ws[0].shape[0]
     block_m = block_m or BLOCK_M[backend]
     block_k = schedule(k, ws[0].shape[2], backend)[0]
@@ -241,24 +265,13 @@ def matmul_kernel(x, w, num_rows=None, norm_weight=None, *, eps: float | None = 
     kernel = functools.partial(_kernel, tiles=tiles, block_k=block_k, steps=steps, eps=eps,
                                k_on_grid=k_on_grid)
     grid = (mp // block_m, u, sum(tiles)) + ((steps,) if k_on_grid else ())
-    # a weight's tile index, held at its first / last tile outside its own range of j: a block
-    # whose index doesn't change between grid steps is neither fetched nor written back again;
-    # its K block likewise (the first before its range, the last after it)
     tile = lambda j, t: jnp.clip(j - starts[t], 0, tiles[t] - 1)
-    kblock = lambda j, s, t: jnp.where(j < starts[t], 0,
-                                       jnp.where(j >= starts[t] + tiles[t], steps - 1, s))
     in_specs = [pl.BlockSpec((block_m, k), lambda i, c, j, *_: (i, 0))]
     args = [xp]
     if eps is not None:
         in_specs.append(pl.BlockSpec((1, k), lambda i, c, j, *_: (0, 0)))
         args.append(norm_weight.reshape(1, k))
-    if k_on_grid:
-        in_specs += [pl.BlockSpec((None, block_k, bn),
-                                  lambda i, c, j, s, *_, t=t: (c, kblock(j, s, t), tile(j, t)))
-                     for t, bn in enumerate(block_n)]
-    else:
-        in_specs += [pl.BlockSpec((None, k, bn), lambda i, c, j, *_, t=t: (c, 0, tile(j, t)))
-                     for t, bn in enumerate(block_n)]
+    in_specs += _weight_specs(k, block_k, block_n, tiles, starts, k_on_grid)
     out_specs = [pl.BlockSpec((None, block_m, bn), lambda i, c, j, *_, t=t: (c, i, tile(j, t)))
                  for t, bn in enumerate(block_n)]
     out_shape = [jax.ShapeDtypeStruct((u, mp, a.shape[2]), out_dtype) for a in ws]

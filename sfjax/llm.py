@@ -24,6 +24,32 @@ from sfjax.weights import load
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _mesh(tp: int, dp: int, mesh):
+    """The engine's mesh: ``mesh`` (its axes must agree with tp and dp unless both are 1), else
+    one of tp * dp devices, else None (one device)."""
+    if mesh is None:
+        return sharding.make_mesh(tp, dp) if tp * dp > 1 else None
+    mesh = sharding.as_mesh(mesh)
+    got = (sharding.tp_of(mesh), sharding.dp_of(mesh))
+    if (tp, dp) not in ((1, 1), got):
+        raise ValueError(f"tensor_parallel_size {tp} and data_parallel_size {dp} differ from the "
+                         f"mesh's model and data axes {got}")
+    return mesh
+
+
+def _load_draft(spec: SpeculativeConfig | None, target: ModelConfig, dtype: str):
+    """What ``spec`` drafts with: (config, weights) of a draft model, an EAGLE-3 head, or None."""
+    if spec is None or spec.method not in ("draft_model", "eagle3"):
+        return None
+    path = os.fspath(spec.model)
+    if not os.path.isdir(path):
+        raise ValueError(f"speculative_config.model: {path!r} is not a folder")
+    if spec.method == "eagle3":
+        return eagle.load(path, target)
+    cfg = ModelConfig.from_folder(path, dtype)
+    return cfg, load(path, cfg)
+
+
 class LLM:
     """An engine over one HF model folder (config.json, safetensors, tokenizer.json), or an
     ``sfjax convert`` export (its weights an orbax checkpoint, restored straight into the mesh's
@@ -73,33 +99,14 @@ class LLM:
         if spec is not None and spec.method == "eagle3" and (tp * dp > 1 or mesh is not None):
             raise ValueError("speculative_config.method = 'eagle3' runs on one device: "
                              "tensor_parallel_size and data_parallel_size must be 1")
-        if mesh is None and tp * dp > 1:
-            mesh = sharding.make_mesh(tp, dp)
-        elif mesh is not None:
-            mesh = sharding.as_mesh(mesh)
-            got = (sharding.tp_of(mesh), sharding.dp_of(mesh))
-            if (tensor_parallel_size, data_parallel_size) not in ((1, 1), got):
-                raise ValueError(f"tensor_parallel_size {tensor_parallel_size} and data_parallel_size "
-                                 f"{data_parallel_size} differ from the mesh's model and data axes {got}")
+        mesh = _mesh(tp, dp, mesh)
         self.model_path = model
         self.model_config = ModelConfig.from_folder(model, dtype)
         self.tokenizer = load_tokenizer(tokenizer or model)
         weights = load(model, self.model_config, mesh)
-        draft = None
-        if spec is not None and spec.method == "draft_model":
-            draft_path = os.fspath(spec.model)
-            if not os.path.isdir(draft_path):
-                raise ValueError(f"speculative_config.model: {draft_path!r} is not a folder")
-            draft_cfg = ModelConfig.from_folder(draft_path, dtype)
-            draft = (draft_cfg, load(draft_path, draft_cfg))
-        elif spec is not None and spec.method == "eagle3":
-            head_path = os.fspath(spec.model)
-            if not os.path.isdir(head_path):
-                raise ValueError(f"speculative_config.model: {head_path!r} is not a folder")
-            draft = eagle.load(head_path, self.model_config)
         self.engine = Engine(self.model_config, weights, self.tokenizer, config,
-                             generation_eos_ids(model, self.model_config.eos_token_ids), spec, draft,
-                             mesh)
+                             generation_eos_ids(model, self.model_config.eos_token_ids), spec,
+                             _load_draft(spec, self.model_config, dtype), mesh)
         self._next_id = 0
 
     def get_tokenizer(self):

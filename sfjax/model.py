@@ -22,7 +22,7 @@ from pallas_kernels.paged_attention import paged_attention
 from sfjax import rows, sharding
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, rope_frequencies
-from sfjax.rows import matmul, rms_norm
+from sfjax.rows import matmul
 from sfjax.sharding import Split
 from sfjax.weights import LAYER_FIELDS, Weights
 

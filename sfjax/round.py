@@ -96,6 +96,18 @@ class Verified:
     drafted: jax.Array        # int32 drafts proposed (the slot's k this round)
 
 
+def _verify_rows(tokens, positions, slots, spec: SpecBatch, drafts, k):
+    """The rows with each speculating slot's drafts [S, K] written into its verify rows (after
+    its last token's row); drafts past the slot's ``k`` become padding rows."""
+    j = jnp.arange(1, drafts.shape[1] + 1)[None, :]
+    live = spec.slots >= 0
+    keep = live[:, None] & (j <= k[:, None])
+    rows = jnp.where(live[:, None], spec.verify_row[:, None] + j, tokens.shape[0])   # [S, K]
+    return (tokens.at[rows].set(drafts, mode="drop"),
+            positions.at[rows].set(jnp.where(keep, spec.length[:, None] - 1 + j, -1), mode="drop"),
+            slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop"))
+
+
 @functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("state", "draft_cache"))
 def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: StepBatch,
                spec: SpecBatch | None, *, run):
@@ -122,17 +134,10 @@ def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: S
         ctx = Context(batch, spec, draws, history, state.block_tables, rc.k_max,
                       rc.rule.compares_distributions, run)
     if spec is not None:
-        k1 = rc.k_max + 1
         live = spec.slots >= 0
         drafts, k, logq, draft_cache = rc.proposer.propose(ctx, draft_weights, draft_cache)
         k = jnp.where(live, k, 0)
-        # fill the verify rows: drafts past a slot's k become padding
-        j = jnp.arange(1, k1)[None, :]
-        keep = live[:, None] & (j <= k[:, None])
-        rows = jnp.where(live[:, None], spec.verify_row[:, None] + j, tokens.shape[0])   # [S, K]
-        tokens = tokens.at[rows].set(drafts, mode="drop")
-        positions = positions.at[rows].set(jnp.where(keep, spec.length[:, None] - 1 + j, -1), mode="drop")
-        slots = slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop")
+        tokens, positions, slots = _verify_rows(tokens, positions, slots, spec, drafts, k)
         history = replicated(record_tokens(history, slots, positions, tokens), mesh)
     features = getattr(rc.proposer, "features", ()) if rc is not None else ()
     hidden, cache, *feats = model.forward(weights, state.cache, tokens, positions, slots,

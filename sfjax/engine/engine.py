@@ -84,6 +84,15 @@ class EngineConfig:
 
 
 
+def _max_len(cfg: ModelConfig, config: EngineConfig) -> int:
+    """``max_model_len``, by default the model's ``max_position_embeddings`` (its maximum)."""
+    max_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len ({max_len}) must be <= the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+    return max_len
+
+
 class Engine:
     """``add_request`` / ``step`` / ``abort`` / ``has_unfinished_requests``; LLM.generate is built on it."""
 
@@ -106,10 +115,7 @@ class Engine:
                                                attention=config.attention,
                                                enabled=config.small_row_tiles
                                                and R.kernel_for(config.matmul, cfg) is None)
-        max_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_len}) must be <= the model's "
-                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        max_len = _max_len(cfg, config)
         blocks_per_seq = -(-max_len // config.block_size)
         num_blocks, per_block = self._kv_pages(config, blocks_per_seq, mesh)
         self.config = dataclasses.replace(config, max_model_len=max_len, num_kv_blocks=num_blocks)
@@ -129,11 +135,7 @@ class Engine:
                                     eos_token_ids=self.eos_token_ids,
                                     shard_of=self.scheduler.shard_of)
         self.slots = SlotSync(self.block_tables, self.batches.table, self.batches.widths, mesh)
-        block_tables, table = self.slots.initial()
-        self.state = DeviceState(
-            cache=KVCache.zeros(cfg, num_blocks, config.block_size, mesh=mesh),
-            history=sharding.zeros((config.max_num_seqs, max_len), jnp.int32, P(), mesh),
-            block_tables=block_tables, table=table)
+        self.state = self._initial_state()
         self.registry = Registry()
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
                                 self.registry, mesh, self._split, tiles, self.weights.embed,
@@ -148,11 +150,25 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer, eos_token_ids=self.eos_token_ids,
                                        max_model_len=max_len, stats=self.stats,
                                        release=lambda req: self._release(req))
-        tokens = (num_blocks - dp) * config.block_size
+        self._log_cache(per_block)
+
+    def _initial_state(self) -> DeviceState:
+        """The device state of an idle engine: an empty cache and history, the slot tables."""
+        c = self.config
+        block_tables, table = self.slots.initial()
+        return DeviceState(
+            cache=KVCache.zeros(self.cfg, c.num_kv_blocks, c.block_size, mesh=self.mesh),
+            history=sharding.zeros((c.max_num_seqs, c.max_model_len), jnp.int32, P(), self.mesh),
+            block_tables=block_tables, table=table)
+
+    def _log_cache(self, per_block: int) -> None:
+        c, dp = self.config, self.dp
+        tokens = (c.num_kv_blocks - dp) * c.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per device%s); maximum "
-                    "concurrency for %d tokens per request: %.2fx", num_blocks - dp,
-                    config.block_size, tokens, num_blocks // dp * per_block / 2**20,
-                    f", {dp} data shards" if dp > 1 else "", max_len, tokens / max_len)
+                    "concurrency for %d tokens per request: %.2fx", c.num_kv_blocks - dp,
+                    c.block_size, tokens, c.num_kv_blocks // dp * per_block / 2**20,
+                    f", {dp} data shards" if dp > 1 else "", c.max_model_len,
+                    tokens / c.max_model_len)
 
     def _kv_pages(self, config: EngineConfig, blocks_per_seq: int, mesh) -> tuple[int, int]:
         """(KV pages, bytes of a page on one device): ``num_kv_blocks``, else enough for

@@ -41,6 +41,38 @@ class NgramTable:
         return self.unigram.shape[1]
 
 
+def _pairs(sequences, predictions, vocab_size: int):
+    """(one-token contexts, their predictions, two-token context keys, their predictions), all
+    int64 and flat over the corpus; ids checked against the vocabulary."""
+    v = np.int64(vocab_size)
+    seqs = [np.asarray(q, np.int64).reshape(-1) for q in sequences]
+    if predictions is None:
+        preds = [q[1:] for q in seqs]
+        seqs = [q[:-1] for q in seqs]
+    else:
+        preds = [np.asarray(q, np.int64).reshape(-1) for q in predictions]
+        if len(preds) != len(seqs) or any(a.shape != b.shape for a, b in zip(seqs, preds)):
+            raise ValueError("ngram table: predictions must match the sequences' lengths")
+    empty = np.zeros(0, np.int64)
+    ctx1 = np.concatenate([empty, *seqs])
+    pred1 = np.concatenate([empty, *preds])
+    for name, x in (("sequences", ctx1), ("predictions", pred1)):
+        if x.size and (x.min() < 0 or x.max() >= vocab_size):
+            raise ValueError(f"ngram table: {name} hold ids outside 0..{vocab_size - 1}")
+    ctx2 = np.concatenate([empty, *(q[:-1] * v + q[1:] for q in seqs)])
+    pred2 = np.concatenate([empty, *(p[1:] for p in preds)])
+    return ctx1, pred1, ctx2, pred2
+
+
+def _most_frequent(ctx, pred, v):
+    """(contexts ascending, their most frequent prediction, its count); ties: the smaller id."""
+    codes, counts = np.unique(ctx * v + pred, return_counts=True)
+    c, p = codes // v, codes % v
+    order = np.lexsort((p, -counts, c))                    # by context, count down, id up
+    first = order[np.r_[True, c[order][1:] != c[order][:-1]]] if codes.size else order
+    return c[first], p[first], counts[first]
+
+
 def build(sequences: Iterable[Sequence[int]], vocab_size: int, width: int = 3,
           min_count: int = 2, predictions: Iterable[Sequence[int]] | None = None) -> NgramTable:
     """The table of a corpus of token id sequences.
@@ -57,35 +89,11 @@ def build(sequences: Iterable[Sequence[int]], vocab_size: int, width: int = 3,
     if vocab_size * vocab_size >= 2 ** 31:
         raise ValueError(f"ngram table: vocab_size {vocab_size} too large for int32 bigram keys")
     v = np.int64(vocab_size)
-    seqs = [np.asarray(q, np.int64).reshape(-1) for q in sequences]
-    if predictions is None:
-        preds = [q[1:] for q in seqs]
-        seqs = [q[:-1] for q in seqs]
-    else:
-        preds = [np.asarray(q, np.int64).reshape(-1) for q in predictions]
-        if len(preds) != len(seqs) or any(a.shape != b.shape for a, b in zip(seqs, preds)):
-            raise ValueError("ngram table: predictions must match the sequences' lengths")
-    empty = np.zeros(0, np.int64)
-    ctx1 = np.concatenate([empty, *seqs])
-    pred1 = np.concatenate([empty, *preds])
-    ctx2 = np.concatenate([empty, *(q[:-1] * v + q[1:] for q in seqs)])
-    pred2 = np.concatenate([empty, *(p[1:] for p in preds)])
-    for name, x in (("sequences", ctx1), ("predictions", pred1)):
-        if x.size and (x.min() < 0 or x.max() >= vocab_size):
-            raise ValueError(f"ngram table: {name} hold ids outside 0..{vocab_size - 1}")
-
-    def most_frequent(ctx, pred):
-        """(contexts ascending, their most frequent prediction, its count)."""
-        codes, counts = np.unique(ctx * v + pred, return_counts=True)
-        c, p = codes // v, codes % v
-        order = np.lexsort((p, -counts, c))                    # by context, count down, id up
-        first = order[np.r_[True, c[order][1:] != c[order][:-1]]] if codes.size else order
-        return c[first], p[first], counts[first]
-
-    k1, p1, _ = most_frequent(ctx1, pred1)
+    ctx1, pred1, ctx2, pred2 = _pairs(sequences, predictions, vocab_size)
+    k1, p1, _ = _most_frequent(ctx1, pred1, v)
     next1 = np.full(vocab_size, -1, np.int64)
     next1[k1] = p1
-    keys, next2, n2 = most_frequent(ctx2, pred2)
+    keys, next2, n2 = _most_frequent(ctx2, pred2, v)
     keys, next2 = keys[n2 >= min_count], next2[n2 >= min_count]
 
     def predict(prev, last):
