@@ -21,11 +21,11 @@ not reach a row's bits.
 Backends (``paged_attention(impl=...)``): TPU through Mosaic (page tables and block metadata
 scalar-prefetched into SMEM, K/V pages left in HBM and DMA'd chunk by chunk into a double
 buffer), GPU through the Pallas Triton lowering (no scalar prefetch or scratch there: the tables
-are read as plain refs and the pages gathered by pointer; flash-decoding: each program runs one
-fixed ``KV_SPLIT`` of a block's keys, so a batch-1 decode runs on as many programs as its
-context has splits, and a second kernel joins a block's splits in ascending order; a split past
-a row's keys holds exactly nothing, so the split count a block needs doesn't reach a row's
-bits either), CPU through the reference.
+are read as plain refs and the pages gathered by pointer), CPU through the reference. Both
+kernels are flash-decoding: each program runs one fixed ``KV_SPLIT`` of a block's keys, so a
+batch-1 decode runs on as many programs as its context has splits, and a second kernel joins a
+block's splits in ascending order; a split past a row's keys holds exactly nothing, so the split
+count a block needs doesn't reach a row's bits either.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from sfjax.rows import num_tiles_of, opaque_count, per_tile
 
 
 KEY_CHUNK = 64          # the kernels' keys per online-softmax step
-KV_SPLIT = 512          # keys per program of the GPU kernel (flash-decoding); fixed, as a row's
+KV_SPLIT = 512          # keys per program of the kernels (flash-decoding); fixed, as a row's
                         # bits depend on it
 REFERENCE_CHUNK = 256   # the reference's (fewer, larger steps: XLA:CPU pays per op, not per key)
 REFERENCE_BLOCK = 8     # the reference's query rows of one slot per block
@@ -297,16 +297,20 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref):
     o_ref[...] = _finish(l, acc)
 
 
-def _tpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_hbm, v_hbm, o_ref,
-                kbuf, vbuf, sem, m_ref, l_ref, acc_ref, *, sm_scale, chunk, max_blocks, kvh):
+def _tpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_hbm, v_hbm,
+                acc_out, m_out, l_out, kbuf, vbuf, sem, m_ref, l_ref, acc_ref, *, sm_scale, chunk,
+                max_blocks, kvh, split):
     # Scalar prefetch (SMEM): meta_ref [2] (layer, number of blocks), slot_ref, last_ref [NB],
-    # tables_ref [max_seqs * max_blocks]. pos_ref: [R, 1]; q_ref, o_ref: [KVH, R, D] one block;
+    # tables_ref [max_seqs * max_blocks]. pos_ref: [R, 1]; q_ref: [KVH, R, D] one block;
     # k_hbm, v_hbm: [layers, pages, block_size * KVH, D] in HBM (a page's rows are token-major,
     # head-minor); kbuf, vbuf: [2, chunk * KVH, D] the double buffer; sem: DMA [2];
-    # m_ref, l_ref: [KVH, R, 1] and acc_ref [KVH, R, D] the online-softmax state.
-    b = pl.program_id(0)
+    # m_ref, l_ref: [KVH, R, 1] and acc_ref [KVH, R, D] the online-softmax state. Program (b, s)
+    # runs keys [s * split, (s + 1) * split) of block b, all KV heads: acc_out [KVH, R, D],
+    # m_out, l_out [KVH, R, 1] its state, unscaled (``_combine`` joins a block's splits).
+    b, s = pl.program_id(0), pl.program_id(1)
     page_rows = k_hbm.shape[2]
     pages_per_chunk = chunk * kvh // page_rows
+    per = split // chunk
 
     def copies(c, buf):
         """The DMAs of chunk ``c``'s pages into buffer ``buf`` (start them, or wait on them)."""
@@ -320,25 +324,26 @@ def _tpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_hbm,
                                                  sem.at[buf]))
         return out
 
-    @pl.when(b < meta_ref[1])
+    rows, d = q_ref.shape[1:]
+    m0, l0, acc0 = _init(rows, d)
+    for h in range(kvh):
+        m_ref[h], l_ref[h], acc_ref[h] = m0, l0, acc0
+
+    @pl.when((b < meta_ref[1]) & (s * split <= last_ref[b]))
     def _():
         last = last_ref[b]
-        n_chunks = last // chunk + 1
-        for cp in copies(0, 0):
+        first, end = s * per, jnp.minimum(last // chunk + 1, (s + 1) * per)
+        for cp in copies(first, first % 2):
             cp.start()
-        rows, d = q_ref.shape[1:]
-        m0, l0, acc0 = _init(rows, d)
-        for h in range(kvh):
-            m_ref[h], l_ref[h], acc_ref[h] = m0, l0, acc0
         rowpos = pos_ref[...]
 
-        @pl.loop(0, n_chunks)
+        @pl.loop(first, end)
         def _(c):
             buf = c % 2
             for cp in copies(c, buf):
                 cp.wait()
 
-            @pl.when(c + 1 < n_chunks)
+            @pl.when(c + 1 < end)
             def _():
                 for cp in copies(c + 1, 1 - buf):
                     cp.start()
@@ -353,8 +358,7 @@ def _tpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_hbm,
                     q_ref[h].astype(jnp.float32), k, v, kpos <= rowpos,
                     (m_ref[h], l_ref[h], acc_ref[h]), sm_scale)
 
-        for h in range(kvh):
-            o_ref[h] = _finish(l_ref[h], acc_ref[h])
+    acc_out[...], m_out[...], l_out[...] = acc_ref[...], m_ref[...], l_ref[...]
 
 
 def _query_blocks(slots, positions, block_q):
@@ -375,8 +379,27 @@ def _query_blocks(slots, positions, block_q):
     return block, idx - first, block_slot, block_last, jnp.sum(start, dtype=jnp.int32)
 
 
+def _splits(max_blocks: int, block_size: int, split: int, pow2: bool) -> int:
+    """How many splits of ``split`` keys cover a slot's whole table (a power of two if asked)."""
+    n = -(-max_blocks * block_size // split)
+    return 1 << (n - 1).bit_length() if pow2 else n
+
+
+def _combine(acc, m, l, *, interpret, params):
+    """Joins each (block, head)'s splits in ascending order (``_combine_kernel``): acc
+    [NB, KVH, S, R, D], m and l [NB, KVH, S, R, 1] float32 -> [NB, KVH, R, D]."""
+    nb, kvh, n_split, rows, d = acc.shape
+    splits = lambda w: pl.BlockSpec((None, None, n_split, rows, w), lambda b, j: (b, j, 0, 0, 0))
+    return pl.pallas_call(
+        _combine_kernel, grid=(nb, kvh), in_specs=[splits(d), splits(1), splits(1)],
+        out_specs=pl.BlockSpec((None, None, rows, d), lambda b, j: (b, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((nb, kvh, rows, d), jnp.float32), interpret=interpret,
+        name="sfjax_paged_attention_combine", compiler_params=params,
+    )(acc, m, l)
+
+
 def _call_triton(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blocks, interpret,
-                 split=None):
+                 split):
     """The GPU kernel over query blocks, flash-decoding style: grid (query blocks, KV heads,
     splits of ``split`` keys), so batch 1 fills the GPU too, then one program per (block, head)
     joins its splits in a fixed order. scalars: (meta, block slot, block last, flat tables);
@@ -384,10 +407,8 @@ def _call_triton(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blo
     from jax.experimental.pallas import triton as pltriton
 
     nb, kvh, rows, d = qb.shape
-    split = max(split or KV_SPLIT, chunk)
-    block_size = k_cache.shape[2]
     # splits: a power of two (a Triton block), enough for a slot's whole table
-    n_split = 1 << (-(-max_blocks * block_size // split) - 1).bit_length()
+    n_split = _splits(max_blocks, k_cache.shape[2], split, pow2=True)
     whole = pl.BlockSpec()
     params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=2)
     part = lambda w: pl.BlockSpec((None, None, None, rows, w), lambda b, j, s: (b, j, s, 0, 0))
@@ -402,40 +423,43 @@ def _call_triton(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blo
         out_specs=[part(d), part(1), part(1)], out_shape=[shape(d), shape(1), shape(1)],
         interpret=interpret, name="sfjax_paged_attention", compiler_params=params,
     )(*scalars, pos, qb, k_cache, v_cache)
-    splits = lambda w: pl.BlockSpec((None, None, n_split, rows, w), lambda b, j: (b, j, 0, 0, 0))
-    return pl.pallas_call(
-        _combine_kernel, grid=(nb, kvh), in_specs=[splits(d), splits(1), splits(1)],
-        out_specs=pl.BlockSpec((None, None, rows, d), lambda b, j: (b, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct(qb.shape, jnp.float32), interpret=interpret,
-        name="sfjax_paged_attention_combine", compiler_params=params,
-    )(acc, m, l)
+    return _combine(acc, m, l, interpret=interpret, params=params)
 
 
-def _call_tpu(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blocks, interpret):
-    """The TPU kernel over query blocks: the same arguments and result as ``_call_triton``."""
+def _call_tpu(scalars, pos, qb, k_cache, v_cache, *, sm_scale, chunk, max_blocks, interpret,
+              split):
+    """The TPU kernel over query blocks: grid (query blocks, splits of ``split`` keys), all KV
+    heads per program (a page holds them all), its chunks' pages DMA'd from HBM; then the
+    splits joined as on GPU. The same arguments and result as ``_call_triton``."""
     nb, kvh, rows, d = qb.shape
     page_rows = k_cache.shape[2] * kvh
+    n_split = _splits(max_blocks, k_cache.shape[2], split, pow2=False)
     kv = lambda c: c.reshape(*c.shape[:2], page_rows, d)                    # a free reshape
-    block = pl.BlockSpec((None, kvh, rows, d), lambda b, *_: (b, 0, 0, 0))
+    part = lambda w: pl.BlockSpec((None, kvh, None, rows, w), lambda b, s, *_: (b, 0, s, 0, 0))
+    shape = lambda w: jax.ShapeDtypeStruct((nb, kvh, n_split, rows, w), jnp.float32)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4, grid=(nb,),
-        in_specs=[pl.BlockSpec((None, rows, 1), lambda b, *_: (b, 0, 0)), block,
+        num_scalar_prefetch=4, grid=(nb, n_split),
+        in_specs=[pl.BlockSpec((None, rows, 1), lambda b, s, *_: (b, 0, 0)),
+                  pl.BlockSpec((None, kvh, rows, d), lambda b, s, *_: (b, 0, 0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=block,
+        out_specs=[part(d), part(1), part(1)],
         scratch_shapes=[pltpu.VMEM((2, chunk * kvh, d), k_cache.dtype),
                         pltpu.VMEM((2, chunk * kvh, d), v_cache.dtype),
                         pltpu.SemaphoreType.DMA((2,)),
                         pltpu.VMEM((kvh, rows, 1), jnp.float32),
                         pltpu.VMEM((kvh, rows, 1), jnp.float32),
                         pltpu.VMEM((kvh, rows, d), jnp.float32)])
-    return pl.pallas_call(
+    params = None if interpret else pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel"))
+    acc, m, l = pl.pallas_call(
         functools.partial(_tpu_kernel, sm_scale=sm_scale, chunk=chunk, max_blocks=max_blocks,
-                          kvh=kvh),
-        grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(qb.shape, jnp.float32),
-        interpret=interpret, name="sfjax_paged_attention",
-        compiler_params=None if interpret else pltpu.CompilerParams(
-            dimension_semantics=("parallel",)),
+                          kvh=kvh, split=split),
+        grid_spec=grid_spec, out_shape=[shape(d), shape(1), shape(1)],
+        interpret=interpret, name="sfjax_paged_attention", compiler_params=params,
     )(*scalars, pos, qb, kv(k_cache), kv(v_cache))
+    return _combine(acc, m, l, interpret=interpret,
+                    params=None if interpret else pltpu.CompilerParams(
+                        dimension_semantics=("parallel", "parallel")))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "interpret", "block_q",
@@ -447,12 +471,12 @@ def paged_attention_kernel(q, k_cache, v_cache, layer, block_tables, slots, posi
     """The Pallas kernel: the reference's arguments and result (N need not be a multiple of
     anything), to 1e-6 in float32.
 
-    ``backend``: "triton" (GPU; grid (query blocks, KV heads), pages gathered by pointer) or
-    "mosaic_tpu" (grid (query blocks,), all KV heads per program, pages DMA'd from HBM).
-    ``interpret`` runs either in Pallas' interpreter. ``block_q``: query rows of one slot per
-    block; ``key_chunk``: keys per online-softmax step (at least one page); ``kv_split``: keys
-    per program of the GPU kernel (a multiple of the chunk). They fix a row's arithmetic, so an
-    engine keeps them constant.
+    ``backend``: "triton" (GPU; grid (query blocks, KV heads, splits), pages gathered by
+    pointer) or "mosaic_tpu" (grid (query blocks, splits), all KV heads per program, pages DMA'd
+    from HBM). ``interpret`` runs either in Pallas' interpreter. ``block_q``: query rows of one
+    slot per block; ``key_chunk``: keys per online-softmax step (at least one page);
+    ``kv_split``: keys per program (rounded down to whole chunks). They fix a row's arithmetic,
+    so an engine keeps them constant.
     """
     call = {"triton": _call_triton, "mosaic_tpu": _call_tpu}.get(backend)
     if call is None:
@@ -475,9 +499,9 @@ def paged_attention_kernel(q, k_cache, v_cache, layer, block_tables, slots, posi
     scalars = (jnp.stack([jnp.asarray(layer, jnp.int32), num_blocks]), block_slot, block_last,
                block_tables.astype(jnp.int32).reshape(max_seqs * max_blocks))
     chunk = max(key_chunk, block_size)
-    extra = {"split": kv_split} if backend == "triton" else {}
+    split = max(kv_split // chunk, 1) * chunk
     ob = call(scalars, pos, qb, k_cache, v_cache, sm_scale=sm_scale, chunk=chunk,
-              max_blocks=max_blocks, interpret=interpret, **extra)
+              max_blocks=max_blocks, interpret=interpret, split=split)
     ob = ob[:, :, :rows].reshape(n, kvh, block_q, g, d)
     out = ob[jnp.minimum(block, n - 1), :, offset]                             # [N, KVH, G, D]
     return jnp.where((block < n)[:, None, None, None], out, 0.0).reshape(n, h, d)

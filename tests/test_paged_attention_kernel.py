@@ -106,12 +106,13 @@ def test_dispatch():
 
 def test_tpu_kernel_in_the_tpu_interpreter():
     """The TPU interpreter simulates the DMAs and semaphores (the plain interpreter runs a copy
-    at once), so a wait on the wrong buffer or a missing start shows here."""
+    at once), so a wait on the wrong buffer or a missing start shows here; with 64-key splits
+    the second slot's row reads two of them, each its own chain of DMAs."""
     rng = np.random.default_rng(4)
     kc, vc, tables = _cache(rng, [20, 70], 8, 2)
     q, slots, positions = _rows(rng, [(0, 15, 5), (1, 69, 1)], 4, 8)
     out, ref = _both("mosaic_tpu", q, kc, vc, tables, slots, positions,
-                     interpret=pltpu.InterpretParams())
+                     interpret=pltpu.InterpretParams(), kv_split=64)
     np.testing.assert_allclose(out, ref, atol=1e-6, rtol=1e-6)
 
 
@@ -159,7 +160,8 @@ def test_row_bits_do_not_depend_on_q_len_or_the_batch(backend):
     assert all((x == got[0]).all() for x in got[1:])
 
 
-def test_gpu_kernel_split_over_the_keys_equals_reference_and_keeps_a_rows_bits():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_split_over_the_keys_equals_reference_and_keeps_a_rows_bits(backend):
     """Flash-decoding with 64-key splits (one chunk each), so the rows here span 1 to 3 of
     them: equal to the reference, and slot 0's row at position 150 the same bits alone, in a
     verify run and inside a prefill chunk (its block then needing other split counts)."""
@@ -167,9 +169,9 @@ def test_gpu_kernel_split_over_the_keys_equals_reference_and_keeps_a_rows_bits()
     kc, vc, tables = _cache(rng, [151, 190, 33], 16, 2)
     runs = [(0, 147, 4), (1, 185, 5), None, (2, 20, 13)]
     q, slots, positions = _rows(rng, runs, 8, 32)
-    out, ref = _both("triton", q, kc, vc, tables, slots, positions, kv_split=64)
+    out, ref = _both(backend, q, kc, vc, tables, slots, positions, kv_split=64)
     np.testing.assert_allclose(out, ref, atol=1e-6, rtol=1e-6)
-    got = _probe_row_bits(rng, kc, vc, tables, 150, backend="triton", kv_split=64)
+    got = _probe_row_bits(rng, kc, vc, tables, 150, backend=backend, kv_split=64)
     assert all((x == got[0]).all() for x in got[1:])
 
 
