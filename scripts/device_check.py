@@ -36,6 +36,11 @@ Sections, each printed as it finishes (a failing section prints its error and th
    equal plain ones. Each (engine, batch) runs once to compile, then prefill (max_tokens=1) and
    the whole run are each the best of 2; decode tok/s = batch x (max_tokens - 1) / (whole -
    prefill).
+8. hf: the peer, HF transformers' greedy ``generate`` (torch, sdpa attention) on the same
+   Llama-2-7B shape in bf16 at batch 1, 32 and 128, the same prompt length and tokens, timed the
+   same way (``scripts/hf_peer.py``, in a process of its own: it imports no JAX); with e2e's
+   figures, sfjax plain's decode tok/s as a multiple of HF's at each batch. This process's JAX
+   keeps ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default here 0.55) of the GPU, the rest is torch's.
 """
 
 from __future__ import annotations
@@ -46,8 +51,13 @@ import functools
 import os
 import json
 import statistics
+import subprocess
+import sys
 import time
 import traceback
+
+# JAX would take 75% of the GPU at start: leave the HF peer's process room for its 7B model
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.55")
 
 import jax
 import jax.numpy as jnp
@@ -334,6 +344,25 @@ def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 2) 
     return out
 
 
+def hf_peer(smoke: bool, max_tokens: int, plain: dict | None) -> dict:
+    """``scripts/hf_peer.py`` in a child process, with e2e's plain figures beside it."""
+    batches = "1,4" if smoke else "1,32,128"
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_peer.py"),
+           "--batches", batches, "--prompt-len", "16" if smoke else "128",
+           "--max-tokens", str(max_tokens)] + (["--smoke"] if smoke else [])
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if run.returncode:
+        raise RuntimeError(f"hf_peer.py failed ({run.returncode}):\n{run.stderr[-4000:]}")
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for b, row in out["batches"].items():
+        ours = (plain or {}).get(int(b), {}).get("decode_tok_s")
+        row["sfjax_plain_over_hf"] = ours / row["decode_tok_s"] if ours else None
+        print(f"hf batch {b} ({out['device']}, torch {out['torch']}): decode "
+              f"{row['decode_tok_s']:.1f} tok/s, prefill {row['prefill_s'] * 1e3:.0f} ms"
+              + (f"; sfjax plain {row['sfjax_plain_over_hf']:.2f}x" if ours else ""), flush=True)
+    return out
+
+
 MATMUL_SHAPES = {"q/o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096),
                  "head": (4096, 32000)}
 
@@ -379,7 +408,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="e2e: tokens generated")
     ap.add_argument("--k", type=int, default=4, help="e2e: drafts per round")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                    "correct,attention,matmul,compile,bits,e2e")
+                    "correct,attention,matmul,compile,bits,e2e,hf")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -394,7 +423,9 @@ def main() -> None:
                 ("matmul", lambda: matmuls(args.smoke, args.iters, results["copy_gbs"])),
                 ("compile", lambda: compile_times(args.smoke)),
                 ("bits", lambda: row_bits(args.smoke)),
-                ("e2e", lambda: e2e(args.smoke, results["copy_gbs"], args.max_tokens, args.k))]
+                ("e2e", lambda: e2e(args.smoke, results["copy_gbs"], args.max_tokens, args.k)),
+                ("hf", lambda: hf_peer(args.smoke, args.max_tokens,
+                                       results.get("e2e", {}).get("plain")))]
     for name, run in sections:
         if name in skip:
             continue
