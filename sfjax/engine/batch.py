@@ -29,9 +29,14 @@ def layout(plan: list[Scheduled], spec_k: dict[int, int], k_max: int) -> list[tu
             out.append(([req.token(length - 1)] + [0] * k_max,
                         list(range(length - 1, length + k_max)), [req.slot] * (k_max + 1)))
         else:
-            out.append(([req.token(j) for j in range(s.start, s.start + s.count)],
-                        list(range(s.start, s.start + s.count)), [req.slot] * s.count))
+            out.append(_scheduled_rows(s))
     return out
+
+
+def _scheduled_rows(s: Scheduled) -> tuple:
+    """The rows of an entry's scheduled tokens, as ``layout``'s (tokens, positions, slots)."""
+    span = range(s.start, s.start + s.count)
+    return [s.request.token(j) for j in span], list(span), [s.request.slot] * s.count
 
 
 def draft_rows(plan: list[Scheduled], decode: set[int]) -> list[tuple]:
@@ -45,8 +50,7 @@ def draft_rows(plan: list[Scheduled], decode: set[int]) -> list[tuple]:
             out.append(([req.token(length - 2), req.token(length - 1)], [length - 2, length - 1],
                         [req.slot] * 2))
         else:
-            out.append(([req.token(j) for j in range(s.start, s.start + s.count)],
-                        list(range(s.start, s.start + s.count)), [req.slot] * s.count))
+            out.append(_scheduled_rows(s))
     return out
 
 

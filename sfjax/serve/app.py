@@ -162,17 +162,23 @@ class Server:
         first, gen = await _unless_disconnected(raw, self.start(prompt, params, rid, {}))
         if req.stream:
             return _sse(self._completion_chunks(req, params, rid, first, gen))
+        return await self._whole(req, raw, rid, "text_completion", first, gen, lambda c: {
+            "index": 0, "text": c.text, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "logprobs": (P.completion_logprobs(list(zip(c.token_ids, c.logprobs)), 0)
+                         if params.logprobs is not None else None)})
+
+    async def _whole(self, req, raw: Request, rid: str, kind: str, first, gen, choice):
+        """A non-streamed response: the request's last output as one ``choice(completion)``,
+        with the token ids if asked, usage and sfjax's fields."""
         out = await _unless_disconnected(raw, _last(first, gen))
         if (err := _error_of(out)) is not None:
             raise err
         c = out.outputs[0]
-        choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason,
-                  "logprobs": (P.completion_logprobs(list(zip(c.token_ids, c.logprobs)), 0)
-                               if params.logprobs is not None else None)}
+        one = choice(c)
         if req.return_token_ids:
-            choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
-        body = {**P.envelope("text_completion", rid, self.model_name), "choices": [choice],
+            one.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+        body = {**P.envelope(kind, rid, self.model_name), "choices": [one],
                 "usage": P.usage(out), "sfjax": P.sfjax_info(out)}
         return JSONResponse(body, headers=_certificate_header(out))
 
@@ -205,19 +211,11 @@ class Server:
         top = req.top_logprobs or 0
         if req.stream:
             return _sse(self._chat_chunks(req, params, rid, first, gen, top))
-        out = await _unless_disconnected(raw, _last(first, gen))
-        if (err := _error_of(out)) is not None:
-            raise err
-        c = out.outputs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                  "logprobs": (P.chat_logprobs(list(zip(c.token_ids, c.logprobs)), top)
-                               if req.logprobs else None)}
-        if req.return_token_ids:
-            choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
-        body = {**P.envelope("chat.completion", rid, self.model_name), "choices": [choice],
-                "usage": P.usage(out), "sfjax": P.sfjax_info(out)}
-        return JSONResponse(body, headers=_certificate_header(out))
+        return await self._whole(req, raw, rid, "chat.completion", first, gen, lambda c: {
+            "index": 0, "message": {"role": "assistant", "content": c.text},
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "logprobs": (P.chat_logprobs(list(zip(c.token_ids, c.logprobs)), top)
+                         if req.logprobs else None)})
 
     def _chat_chunks(self, req, params, rid, first, gen, top) -> AsyncIterator[dict]:
         def choice(out, text, ids, entries, offset, reason) -> dict:
