@@ -78,9 +78,10 @@ def _spec_batch() -> SpecBatch:
     s = np.arange(SLOTS)
     return SpecBatch(slots=i32(s), length=i32(np.full(SLOTS, 100)), prompt_len=i32(np.full(SLOTS, 50)),
                      k=i32(np.full(SLOTS, K)), verify_row=i32(s * (K + 1)),
+                     verify_logit=i32(s * (K + 1)),
                      draft_tokens=i32(np.ones(2 * SLOTS)),
                      draft_positions=i32(np.tile([98, 99], SLOTS)), draft_slots=i32(np.repeat(s, 2)),
-                     draft_last=i32(2 * s + 1), verify_start=np.int32(0))
+                     draft_last=i32(2 * s + 1))
 
 
 def round_args(impl: str | None, num_layers: int = 32, method: str | None = None,

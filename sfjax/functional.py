@@ -267,25 +267,34 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
     slot = jnp.where(live, order, -1)
     spec = cfg.speculative_config
     k1 = spec.num_speculative_tokens + 1 if spec else 1
-    first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile)  # each row's first
-    r = _tiles(s * k1, cfg.row_tile)                                          # step row; logit rows
-    rows = (first[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]).reshape(-1)
+    r = _tiles(s * k1, cfg.row_tile)                                          # logit rows
+    if spec is None:
+        first, n = sharding.slot_rows(slot, live, s, cfg.mesh, 1, cfg.row_tile)   # each row's
+        rows, k = first, None
+        logit_rows = jnp.concatenate([jnp.where(rows < n, rows, 0), jnp.arange(s, r)])
+        num_logit_rows, draws = n_live, _draws(order, length, plen, 1, r)
+    else:       # each slot's k + 1 rows packed, by its own k: the padding all at the end
+        k = _spec_k(st, cfg, order, live, length, plen)
+        first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile, counts=k + 1)
+        logit_first, logit_rows, num_logit_rows, draws = _packed_logit_rows(
+            order, live, length, plen, first, k, r)
     put = lambda fill, x: jnp.full(n, fill, jnp.int32).at[first].set(x, mode="drop")
     batch = StepBatch(
         tokens=put(0, last), positions=put(-1, jnp.where(live, length - 1, -1)),
-        slots=put(-1, slot),
-        logit_rows=jnp.concatenate([jnp.where(rows < n, rows, 0), jnp.arange(s * k1, r)]),
-        num_logit_rows=n_live * k1, with_logprobs=jnp.bool_(with_logprobs),
-        draws=_draws(order, length, plen, k1, r))
-    sb = None if spec is None else _spec_batch(st, cfg, order, live, length, plen, last, first)
+        slots=put(-1, slot), logit_rows=logit_rows, num_logit_rows=num_logit_rows,
+        with_logprobs=jnp.bool_(with_logprobs), draws=draws)
+    sb = None if spec is None else _spec_batch(st, cfg, order, live, length, last, first, k,
+                                               jnp.where(live, logit_first, r))
     dev, dcache, drawn, v = round_step(w, dw, device_state(st), st.draft_cache, batch, sb, run=cfg)
     # the round donates the state it is given (a call outside jit): keep what it returns
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache, sampling=dev.table,
                              block_tables=dev.block_tables)
     report = None
-    if with_logprobs:         # logit rows are slot-major by ``order``: row r's K1 rows first
+    if with_logprobs:         # entry r (slot order[r]) has logit rows at[r]: its own k + 1
+        at = (jnp.arange(s)[:, None] if spec is None else
+              logit_first[:, None] + jnp.minimum(jnp.arange(k1)[None, :], k[:, None]))
         by_slot = lambda x: jnp.zeros((s, k1, *x.shape[1:]), x.dtype).at[order].set(
-            x[:s * k1].reshape(s, k1, *x.shape[1:]))
+            jnp.take(x, at, axis=0, mode="clip"))
         report = tuple(map(by_slot, (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs)))
     if v is None:
         zero = jnp.zeros(s, jnp.int32)
@@ -294,28 +303,53 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
     return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted, dev.history), report
 
 
-def _spec_batch(st: State, cfg: Config, order, live, length, plen, last, first) -> SpecBatch:
-    """The speculating rows of a round (``order``: live rows first, each with its verify rows
-    from ``first``): their k (``drafts_for``) and the draft model's rows at L-2, L-1."""
-    spec, s = cfg.speculative_config, order.shape[0]
-    slot = jnp.where(live, order, -1)
+def _spec_k(st: State, cfg: Config, order, live, length, plen):
+    """Each entry's drafts this round (``drafts_for``; adaptive_k reads its acceptance so far),
+    0 for the entries that are not live."""
+    spec = cfg.speculative_config
     _, _, budget = accept.left(st.sampling, order, length, plen, cfg.max_model_len)
     k_max = spec.num_speculative_tokens
     table = spec.k_table(cfg.model)
     if table is not None:            # adaptive_k: each row's k from its own acceptance so far
         k_max = adaptive_k(table, st.num_draft_tokens[order], st.num_accepted_tokens[order], jnp)
     k = drafts_for(k_max, budget, length, spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
-    k = jnp.where(live & spec.speculates_at(jnp.sum(live.astype(jnp.int32))), k, 0)
+    return jnp.where(live & spec.speculates_at(jnp.sum(live.astype(jnp.int32))), k, 0)
+
+
+def _packed_logit_rows(order, live, length, plen, first, k, r: int):
+    """The verify logit rows of a round whose entry e (slot ``order[e]``, live ones first) has
+    k[e] + 1 rows from row ``first[e]``: packed in entry order, padding from the last on. Returns
+    (each entry's first logit row, logit rows [r], how many are real, their ``Draws``)."""
+    count = jnp.where(live, k + 1, 0)
+    end = jnp.cumsum(count)
+    logit_first = (end - count).astype(jnp.int32)
+    i = jnp.arange(r, dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(end, i, side="right"), order.shape[0] - 1)
+    j = i - logit_first[owner]
+    real = i < end[-1]
+    on = lambda x, fill: jnp.where(real, x, fill).astype(jnp.int32)
+    draws = Draws(slot=on(order[owner], -1), seq_pos=on(length[owner] - 1 + j, -1),
+                  prompt_len=on(plen[owner], 0), target=jnp.full(r, -1, jnp.int32))
+    return logit_first, on(first[owner] + j, 0), end[-1].astype(jnp.int32), draws
+
+
+def _spec_batch(st: State, cfg: Config, order, live, length, last, first, k,
+                logit_first) -> SpecBatch:
+    """The speculating rows of a round (``order``: live rows first, each with its verify rows
+    from ``first`` and its logit rows from ``logit_first``, by its ``k``) and the draft model's
+    rows at L-2, L-1."""
+    s = order.shape[0]
+    plen = st.prompt_len[order]
+    slot = jnp.where(live, order, -1)
     two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile)  # rows L-2, L-1
     prev = st.history[order, jnp.maximum(length - 2, 0)]
     put = lambda fill, a, b: (jnp.full(na, fill, jnp.int32).at[two].set(a, mode="drop")
                               .at[two + 1].set(b, mode="drop"))
     on = lambda x: jnp.where(live, x, -1)
     return SpecBatch(slots=slot, length=jnp.where(live, length, 0), prompt_len=plen, k=k,
-                     verify_row=first, draft_tokens=put(0, prev, last),
+                     verify_row=first, verify_logit=logit_first, draft_tokens=put(0, prev, last),
                      draft_positions=put(-1, on(length - 2), on(length - 1)),
-                     draft_slots=put(-1, slot, slot), draft_last=jnp.minimum(two + 1, na - 1),
-                     verify_start=jnp.int32(0))
+                     draft_slots=put(-1, slot, slot), draft_last=jnp.minimum(two + 1, na - 1))
 
 
 def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,

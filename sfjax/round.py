@@ -42,7 +42,7 @@ class SpecBatch:
     draft_positions: jax.Array
     draft_slots: jax.Array
     draft_last: jax.Array     # int32 [S] row of NA holding position L-1
-    verify_start: jax.Array   # int32 scalar: the first verify logit row (they come last)
+    verify_logit: jax.Array   # int32 [S] the slot's first verify logit row; its k + 1 follow
 
 
 @jax.tree_util.register_static
@@ -98,11 +98,12 @@ class Verified:
 
 def _verify_rows(tokens, positions, slots, spec: SpecBatch, drafts, k):
     """The rows with each speculating slot's drafts [S, K] written into its verify rows (after
-    its last token's row); drafts past the slot's ``k`` become padding rows."""
+    its last token's row): its planned ``spec.k`` rows, those past the proposer's ``k`` made
+    padding; the rows past ``spec.k`` are not the slot's (packed layouts) or padding already."""
     j = jnp.arange(1, drafts.shape[1] + 1)[None, :]
-    live = spec.slots >= 0
-    keep = live[:, None] & (j <= k[:, None])
-    rows = jnp.where(live[:, None], spec.verify_row[:, None] + j, tokens.shape[0])   # [S, K]
+    live = (spec.slots >= 0)[:, None]
+    keep = live & (j <= k[:, None])
+    rows = jnp.where(live & (j <= spec.k[:, None]), spec.verify_row[:, None] + j, tokens.shape[0])
     return (tokens.at[rows].set(drafts, mode="drop"),
             positions.at[rows].set(jnp.where(keep, spec.length[:, None] - 1 + j, -1), mode="drop"),
             slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop"))
@@ -121,8 +122,9 @@ def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: S
     draft on ``draft_mesh``: the same devices, maybe a smaller tensor-parallel size) and
     everything else on whole arrays.
 
-    Logit rows: the prefill completions and prompt logprobs, then from ``spec.verify_start`` the
-    S * (K + 1) verify rows, slot-major, live slots first. Returns (state, draft_cache, drawn [R],
+    Logit rows: the prefill completions and prompt logprobs, then each speculating slot's
+    k + 1 verify rows from its ``spec.verify_logit`` (the host lays them out K + 1 apart,
+    ``sfjax.functional`` packed, by each slot's own k). Returns (state, draft_cache, drawn [R],
     ``Verified``, or None for plain decoding).
     """
     cfg, rc, row_tile, mesh = run.model, run.round, run.row_tile, run.mesh

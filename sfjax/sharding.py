@@ -230,25 +230,30 @@ def validate_slots(max_num_seqs: int, mesh: Mesh | None) -> None:
                          f"({dp}): each data shard serves max_num_seqs / data_parallel_size slots")
 
 
-def slot_rows(slots, live, num_slots: int, mesh: Mesh | None, rows_per_slot: int, row_tile: int):
+def slot_rows(slots, live, num_slots: int, mesh: Mesh | None, rows_per_slot: int, row_tile: int,
+              counts=None):
     """Rows on the device for entries of ``rows_per_slot`` consecutive rows each (entry e is slot
     ``slots[e]``, int32 [E], where ``live``), laid out by data shard: shard d's segment holds its
     live entries packed in entry order. Returns (first row of each entry int32 [E], rows in all).
 
     Off a mesh or at dp 1, entry e starts at row e * rows_per_slot, live or not. Over dp shards a
     segment is num_slots / dp entries rounded up to whole tiles, and an entry that is not live
-    starts at the row count (out of range: scatters with mode="drop" skip it)."""
+    starts at the row count (out of range: scatters with mode="drop" skip it). ``counts`` (int32
+    [E], each at most ``rows_per_slot``): the rows each entry takes instead, packed one after
+    another within its segment, so the padding is all at the segment's end (where the tile loops
+    skip it); an entry that is not live starts at the row count then, on one shard too."""
     e, dp = slots.shape[0], dp_of(mesh)
     tiles = lambda n: -(-n // row_tile) * row_tile
-    if dp == 1:
+    if dp == 1 and counts is None:
         return jnp.arange(e, dtype=jnp.int32) * rows_per_slot, tiles(e * rows_per_slot)
     per = num_slots // dp
-    seg = tiles(per * rows_per_slot)
-    shard = jnp.where(live, slots // per, dp)
-    mine = (shard[:, None] == jnp.arange(dp)[None, :]).astype(jnp.int32)        # [E, dp]
-    before = jnp.cumsum(mine, axis=0) - mine           # live entries of each shard before e
+    seg = tiles(per * rows_per_slot) if dp > 1 else tiles(e * rows_per_slot)
+    shard = jnp.where(live, slots // per, dp) if dp > 1 else jnp.where(live, 0, 1)
+    size = rows_per_slot if counts is None else jnp.where(live, counts, 0)
+    mine = (shard[:, None] == jnp.arange(dp)[None, :]).astype(jnp.int32) * jnp.reshape(size, (-1, 1))
+    before = jnp.cumsum(mine, axis=0) - mine           # rows of each shard's entries before e
     rank = jnp.take_along_axis(before, jnp.minimum(shard, dp - 1)[:, None], axis=1)[:, 0]
-    first = jnp.where(live, shard * seg + rank * rows_per_slot, dp * seg)
+    first = jnp.where(live, shard * seg + rank, dp * seg)
     return first.astype(jnp.int32), dp * seg
 
 

@@ -106,7 +106,7 @@ def test_the_paged_head_drafts_what_the_dense_head_drafts(pair):
     z = jnp.zeros(1, jnp.int32)
     spec = SpecBatch(slots=z, length=z + p + 1, prompt_len=z + p, k=z + K, verify_row=z,
                      draft_tokens=jnp.zeros(8, jnp.int32), draft_positions=jnp.full(8, -1, jnp.int32),
-                     draft_slots=jnp.full(8, -1, jnp.int32), draft_last=z, verify_start=jnp.int32(0))
+                     draft_slots=jnp.full(8, -1, jnp.int32), draft_last=z, verify_logit=z)
     ctx = dataclasses.replace(ctx, spec=spec, sampling=sampling.rows(table, draws), history=history)
     drafts, k, logq, hs = proposer.propose(ctx, placed, hs)
     want, hidden = _dense_drafts(hw, weights, tokens, K)

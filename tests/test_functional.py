@@ -227,3 +227,24 @@ def test_logit_bias_and_allowed_token_ids_equal_llm_generate(pair, engine):
 def test_the_run_config_names_a_bad_field(pair, bad, match):
     with pytest.raises(ValueError, match=match):
         F.Config(**{"model": pair["cfg"], "max_model_len": MAX_LEN, **bad})
+
+
+def test_a_rounds_verify_rows_are_packed_by_each_slots_k():
+    """Entry e (slot order[e], live ones first) takes its own k + 1 rows and logit rows, one
+    entry after another, so the padding is all at the end (where the tile loops skip it): with
+    k = 3, 0, 1 the three live entries take 4 + 1 + 2 of the 4 x 5 rows, and the dead one none."""
+    from sfjax import sharding
+    order, live = jnp.asarray([2, 0, 1, 3]), jnp.asarray([True, True, True, False])
+    k = jnp.asarray([3, 0, 1, 0])
+    length, plen = jnp.asarray([10, 20, 30, 0]), jnp.asarray([4, 5, 6, 0])
+    slot = jnp.where(live, order, -1)
+    first, n = sharding.slot_rows(slot, live, 4, None, 5, 8, counts=k + 1)
+    assert n == 24 and first.tolist() == [0, 4, 5, 24]
+    logit_first, rows, real, draws = F._packed_logit_rows(order, live, length, plen, first, k, 24)
+    assert logit_first.tolist() == [0, 4, 5, 7] and int(real) == 7
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5, 6] + [0] * 17
+    assert draws.slot.tolist() == [2, 2, 2, 2, 0, 1, 1] + [-1] * 17
+    assert draws.seq_pos.tolist() == [9, 10, 11, 12, 19, 29, 30] + [-1] * 17
+    assert draws.prompt_len.tolist() == [4, 4, 4, 4, 5, 6, 6] + [0] * 17
+    # without counts, K + 1 rows an entry, live or not (the single step's layout)
+    assert sharding.slot_rows(slot, live, 4, None, 5, 8)[0].tolist() == [0, 5, 10, 15]

@@ -20,14 +20,17 @@ from sfjax.step import StepBatch
 
 def layout(plan: list[Scheduled], spec_k: dict[int, int], k_max: int) -> list[tuple]:
     """Each entry's rows of the step as (tokens, positions, slots) lists: its tokens, or K + 1
-    verify rows ``[last token, 0 x K]`` at L-1 .. L-1+K for a speculating decode entry."""
+    verify rows ``[last token, 0 x K]`` for a speculating decode entry, at L-1 .. L-1+k for its
+    k = ``spec_k[i]`` and padding past them (the round writes its drafts into the k)."""
     out = []
     for i, s in enumerate(plan):
         req = s.request
         if i in spec_k:
-            length = req.num_tokens
+            length, k = req.num_tokens, spec_k[i]
+            mine = lambda j, x: x if j <= k else -1
             out.append(([req.token(length - 1)] + [0] * k_max,
-                        list(range(length - 1, length + k_max)), [req.slot] * (k_max + 1)))
+                        [mine(j, length - 1 + j) for j in range(k_max + 1)],
+                        [mine(j, req.slot) for j in range(k_max + 1)]))
         else:
             out.append(_scheduled_rows(s))
     return out
@@ -82,9 +85,10 @@ def pad(values: list[int], n: int, fill: int) -> np.ndarray:
 
 
 def spec_batch(plan, spec_k, verify_row, draft, n_slots: int, n_draft: int,
-               verify_start: int) -> SpecBatch:
+               verify_start: int, k1: int) -> SpecBatch:
     """verify_row: per speculating entry, its first row; draft: the draft rows (tokens,
-    positions, slots, padded to ``n_draft``) and per decode entry its row at L-1."""
+    positions, slots, padded to ``n_draft``) and per decode entry its row at L-1. The verify
+    logit rows are ``k1`` per slot from ``verify_start``, slot-major."""
     order = sorted(spec_k)
     s = n_slots
     reqs = [plan[i].request for i in order]
@@ -95,7 +99,7 @@ def spec_batch(plan, spec_k, verify_row, draft, n_slots: int, n_draft: int,
         k=pad([spec_k[i] for i in order], s, 0), verify_row=pad([verify_row[i] for i in order], s, 0),
         draft_tokens=pad(d_tokens, n_draft, 0), draft_positions=pad(d_pos, n_draft, -1),
         draft_slots=pad(d_slots, n_draft, -1), draft_last=pad([d_last.get(i, 0) for i in order], s, 0),
-        verify_start=np.int32(verify_start))
+        verify_logit=(verify_start + k1 * np.arange(s)).astype(np.int32))
 
 
 class BatchBuilder:

@@ -75,7 +75,7 @@ def precompile(engine, progress: bool = True) -> float:
         tail = [(None, -1, 0)] * r
         batch, _, _ = engine.batches.build([], [], tail, min_rows=n)
         start = r - engine.config.max_num_seqs * k1
-        sb = spec_batch([], {}, {}, ([], [], [], {}), engine.config.max_num_seqs, d, start)
+        sb = spec_batch([], {}, {}, ([], [], [], {}), engine.config.max_num_seqs, d, start, k1)
         engine._run_spec(batch, sb)
     jax.block_until_ready(engine.state)
     return time.monotonic() - t0

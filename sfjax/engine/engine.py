@@ -440,7 +440,8 @@ class Engine:
                                               self.batches.shards(plan), self.dp, self.config.row_tile,
                                               len(batch.tokens))
             draft, n_draft = (*rows, {i: d_first[i] + 1 for i in decode}), len(rows[0])
-        sb = spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, n_slots, n_draft, start)
+        sb = spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, n_slots, n_draft, start,
+                        k1)
         drawn, v = jax.device_get(self._run_spec(batch, sb))
         for i, s in enumerate(plan):
             if i not in spec_k:

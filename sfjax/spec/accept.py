@@ -19,7 +19,6 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import sampling as kernels
 from pallas_kernels.sampling import argmax, gumbel_from_bits
@@ -136,10 +135,16 @@ def ends(tokens, emitted, stop_ids, min_left, budget):
 # -- the rules as a round calls them ---------------------------------------------------------
 
 
+def verify_logit_rows(ctx):
+    """int32 [S, K + 1]: each slot's verify logit rows, its own k + 1 (``spec.k``), then its last
+    again (a slot reads only its own rows; the rules ignore those past its k)."""
+    j = jnp.arange(ctx.k_max + 1)[None, :]
+    return ctx.spec.verify_logit[:, None] + jnp.minimum(j, ctx.spec.k[:, None])
+
+
 def _target_rows(ctx, x):
     """The verify rows of ``x`` (a [R, ...] array over the step's logit rows) as [S, K + 1, ...]."""
-    s, k1 = ctx.spec.slots.shape[0], ctx.k_max + 1
-    return lax.dynamic_slice_in_dim(x, ctx.spec.verify_start, s * k1).reshape(s, k1, *x.shape[1:])
+    return jnp.take(x, verify_logit_rows(ctx), axis=0, mode="clip")
 
 
 def _target_log_probs(ctx, logits):
@@ -151,10 +156,12 @@ def _target_log_probs(ctx, logits):
 def _report_emitted(ctx, logits, drawn, out):
     """``drawn`` with the verify rows' logprobs of the tokens emitted (``out``), which may differ
     from the target's draws."""
-    start, k1 = ctx.spec.verify_start, ctx.k_max + 1
-    rows = lax.dynamic_slice_in_dim(logits, start, out.shape[0] * k1)
+    idx = verify_logit_rows(ctx)
+    rows = jnp.take(logits, idx.reshape(-1), axis=0, mode="clip")
     new = sampling.raw_logprobs(rows, out.reshape(-1), ctx.batch.with_logprobs, ctx.run.sampler)
-    put = lambda old, v: lax.dynamic_update_slice_in_dim(old, v.astype(old.dtype), start, 0)
+    mine = jnp.arange(idx.shape[1])[None, :] <= ctx.spec.k[:, None]       # the slot's own rows
+    to = jnp.where(mine, idx, drawn.logprob.shape[0]).reshape(-1)
+    put = lambda old, v: old.at[to].set(v.astype(old.dtype), mode="drop")
     return sampling.Drawn(drawn.tokens, *[put(o, v) for o, v in zip(
         (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs), new)])
 
@@ -182,7 +189,7 @@ class Rejection:
 
     def accept(self, ctx, drafts, k, logq, logits, drawn):
         s, k_max = drafts.shape
-        vrows = jax.tree.map(lambda x: x[ctx.spec.verify_start + jnp.arange(s) * (k_max + 1)],
+        vrows = jax.tree.map(lambda x: jnp.take(x, ctx.spec.verify_logit, axis=0, mode="clip"),
                              ctx.sampling)                              # verify row j = 0
         pos = (vrows.position[:, None] + jnp.arange(k_max)[None, :]).reshape(-1)   # [S * K]
         keys = jnp.repeat(vrows.key_data, k_max, axis=0)
@@ -206,9 +213,7 @@ class Typical:
     compares_distributions: ClassVar[bool] = False
 
     def accept(self, ctx, drafts, k, logq, logits, drawn):
-        s = drafts.shape[0]
-        greedy = ctx.sampling.temperature[ctx.spec.verify_start
-                                                + jnp.arange(s) * (ctx.k_max + 1)] == 0
+        greedy = jnp.take(ctx.sampling.temperature, ctx.spec.verify_logit, mode="clip") == 0
         accepted, out = typical(drafts, _target_rows(ctx, drawn.tokens),
                                 _target_log_probs(ctx, logits), k, greedy, self.threshold,
                                 self.alpha, ctx.run.sampler)

@@ -110,7 +110,9 @@ def _draw_draft(ctx, slots, length, k, live, s: int, logits, j, history):
     run, independent, sd = ctx.run, ctx.compares_distributions, slots.shape[0]
     role = sampling.ROLE_DRAFT if independent else sampling.ROLE_TARGET
     grow = lambda x: jnp.concatenate([x, jnp.zeros((sd - s,), x.dtype)])
-    b = _rows(ctx.sampling, ctx.spec.verify_start + grow(jnp.arange(s) * (ctx.k_max + 1) + j))
+    r = ctx.sampling.temperature.shape[0]              # the verify row of position L-1+j
+    b = _rows(ctx.sampling, grow(jnp.minimum(ctx.spec.verify_logit + jnp.minimum(j, ctx.spec.k),
+                                             r - 1)))
     n = jnp.sum(live)                                # live slots come first
     d = sampling.draw(logits, b, history, n, run.row_tile, False, run.sampler, role).tokens
     logq = (sampling.log_probs(logits, b, history, n, run.row_tile, run.sampler)
@@ -225,7 +227,8 @@ class Eagle:
         if accepted is not None:                       # rejected verify rows are not kept
             spec = ctx.spec
             j = jnp.arange(1, self.k_max + 1)[None, :]
-            rows = jnp.where(spec.slots[:, None] >= 0, spec.verify_row[:, None] + j, n)
+            own = (spec.slots[:, None] >= 0) & (j <= spec.k[:, None])
+            rows = jnp.where(own, spec.verify_row[:, None] + j, n)
             rejected = jnp.zeros(n, jnp.bool_).at[rows].set(j > accepted[:, None], mode="drop")
             valid &= ~rejected
         prev = lambda x, fill: jnp.concatenate([jnp.full((1, *x.shape[1:]), fill, x.dtype), x[:-1]])
