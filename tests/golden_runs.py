@@ -320,8 +320,12 @@ def multidevice_runs() -> list[dict]:
 
 
 def start_multidevice(out_path: str) -> subprocess.Popen:
-    """Starts the subprocess that executes the fake-device runs into ``out_path`` (JSON)."""
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + MULTIDEVICE_FLAGS).strip())
+    """Starts the subprocess that executes the fake-device runs into ``out_path`` (JSON), at
+    XLA's default optimization level: the suite's -O0 (tests/conftest.py) dropped, so the
+    recorded tokens are checked as users compile them too."""
+    inherited = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_backend_optimization_level")]
+    env = dict(os.environ, XLA_FLAGS=" ".join([*inherited, MULTIDEVICE_FLAGS]))
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--multidevice", out_path],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -27,7 +27,8 @@ def _free_port() -> int:
 
 
 def _two_processes(model: str, prompts: str, tp: int, dp: int) -> list[str]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(),
                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "tpu_pod_generate.py"), "--model", model,
            "--prompts", prompts, "--tensor-parallel-size", str(tp), "--data-parallel-size", str(dp),

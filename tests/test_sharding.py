@@ -13,8 +13,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_on_eight_fake_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               SFJAX_MULTIDEVICE="1")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), SFJAX_MULTIDEVICE="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           os.path.join(HERE, "multidevice")], env=env, capture_output=True,
                          text=True, cwd=os.path.dirname(HERE))
