@@ -258,6 +258,17 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
     """``_round``, and with ``with_logprobs`` (static) the raw logprobs of the tokens each row may
     emit (``sampling.raw_logprobs``): (state, (logprob float32 [B, K1], rank, top ids and top
     logprobs [B, K1, 20]) by slot, entry j for the row's j-th token of the round, or None)."""
+    batch, sb, laid = _layout(st, cfg, with_logprobs)
+    dev, dcache, drawn, v = round_step(w, dw, device_state(st), st.draft_cache, batch, sb, run=cfg)
+    return _finish(st, cfg, laid, dev, dcache, drawn, v, with_logprobs)
+
+
+def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = None):
+    """A round's batch for every live row, laid out on the device as the step wants it: live rows
+    first, one row each (plain) or each slot's k + 1 verify rows packed by its own k, the padding
+    all at the end. ``shape``: the (rows, logit rows, draft rows) to lay them in (a bucket the
+    caller compiled that holds every live row's), else the fewest that hold them. Returns (batch,
+    spec batch or None, what ``_finish`` reads of the layout)."""
     s = st.length.shape[0]
     order = jnp.argsort(st.done, stable=True).astype(jnp.int32)   # live rows first, as the step wants
     live = ~st.done[order]
@@ -267,15 +278,18 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
     slot = jnp.where(live, order, -1)
     spec = cfg.speculative_config
     k1 = spec.num_speculative_tokens + 1 if spec else 1
-    r = _tiles(s * k1, cfg.row_tile)                                          # logit rows
+    n_rows, r, na = shape or (None, _tiles(s * k1, cfg.row_tile), None)
     if spec is None:
-        first, n = sharding.slot_rows(slot, live, s, cfg.mesh, 1, cfg.row_tile)   # each row's
-        rows, k = first, None
-        logit_rows = jnp.concatenate([jnp.where(rows < n, rows, 0), jnp.arange(s, r)])
-        num_logit_rows, draws = n_live, _draws(order, length, plen, 1, r)
+        first, n = sharding.slot_rows(slot, live, s, cfg.mesh, 1, cfg.row_tile, rows=n_rows)
+        k = logit_first = None
+        wide = max(s, r)                 # r < s: only the live entries (first) need logit rows
+        logit_rows = jnp.concatenate([jnp.where(first < n, first, 0), jnp.arange(s, wide)])[:r]
+        num_logit_rows = n_live
+        draws = jax.tree.map(lambda x: x[:r], _draws(order, length, plen, 1, wide))
     else:       # each slot's k + 1 rows packed, by its own k: the padding all at the end
         k = _spec_k(st, cfg, order, live, length, plen)
-        first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile, counts=k + 1)
+        first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile, counts=k + 1,
+                                      rows=n_rows)
         logit_first, logit_rows, num_logit_rows, draws = _packed_logit_rows(
             order, live, length, plen, first, k, r)
     put = lambda fill, x: jnp.full(n, fill, jnp.int32).at[first].set(x, mode="drop")
@@ -284,8 +298,26 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
         slots=put(-1, slot), logit_rows=logit_rows, num_logit_rows=num_logit_rows,
         with_logprobs=jnp.bool_(with_logprobs), draws=draws)
     sb = None if spec is None else _spec_batch(st, cfg, order, live, length, last, first, k,
-                                               jnp.where(live, logit_first, r))
-    dev, dcache, drawn, v = round_step(w, dw, device_state(st), st.draft_cache, batch, sb, run=cfg)
+                                               jnp.where(live, logit_first, r), na)
+    return batch, sb, (order, live, k, logit_first)
+
+
+def _idle(st: State, cfg: Config):
+    """``_layout``'s account of a round that has none of ``st``'s rows (every one done)."""
+    s = st.length.shape[0]
+    zeros = jnp.zeros(s, jnp.int32)
+    spec = cfg.speculative_config is not None
+    return (jnp.arange(s, dtype=jnp.int32), jnp.zeros(s, bool), zeros if spec else None,
+            zeros if spec else None)
+
+
+def _finish(st: State, cfg: Config, laid, dev, dcache, drawn, v, with_logprobs: bool):
+    """The state after a round laid out by ``_layout`` (``laid``) gave ``dev``, ``dcache``,
+    ``drawn`` and ``v`` (``round.round_step``'s), and its tokens' logprobs (``_round_reported``)."""
+    order, live, k, logit_first = laid
+    s = st.length.shape[0]
+    spec = cfg.speculative_config
+    k1 = spec.num_speculative_tokens + 1 if spec else 1
     # the round donates the state it is given (a call outside jit): keep what it returns
     st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache, sampling=dev.table,
                              block_tables=dev.block_tables)
@@ -298,7 +330,8 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
         report = tuple(map(by_slot, (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs)))
     if v is None:
         zero = jnp.zeros(s, jnp.int32)
-        return _commit(st, order, live, drawn.tokens[:s, None], live.astype(jnp.int32), zero, zero,
+        tokens = jnp.take(drawn.tokens, jnp.arange(s), mode="clip")   # entry e's row e; live first
+        return _commit(st, order, live, tokens[:, None], live.astype(jnp.int32), zero, zero,
                        dev.history), report
     return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted, dev.history), report
 
@@ -333,15 +366,15 @@ def _packed_logit_rows(order, live, length, plen, first, k, r: int):
     return logit_first, on(first[owner] + j, 0), end[-1].astype(jnp.int32), draws
 
 
-def _spec_batch(st: State, cfg: Config, order, live, length, last, first, k,
-                logit_first) -> SpecBatch:
+def _spec_batch(st: State, cfg: Config, order, live, length, last, first, k, logit_first,
+                na: int | None = None) -> SpecBatch:
     """The speculating rows of a round (``order``: live rows first, each with its verify rows
     from ``first`` and its logit rows from ``logit_first``, by its ``k``) and the draft model's
-    rows at L-2, L-1."""
+    rows at L-2, L-1 (in ``na`` rows if given)."""
     s = order.shape[0]
     plen = st.prompt_len[order]
     slot = jnp.where(live, order, -1)
-    two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile)  # rows L-2, L-1
+    two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile, rows=na)
     prev = st.history[order, jnp.maximum(length - 2, 0)]
     put = lambda fill, a, b: (jnp.full(na, fill, jnp.int32).at[two].set(a, mode="drop")
                               .at[two + 1].set(b, mode="drop"))
@@ -361,15 +394,21 @@ def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
 
 
 def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, until_one_ends=False,
-               with_logprobs=False):
+               with_logprobs=False, host=None, from_host=False):
     """Up to ``num_rounds`` (traced, at most the static ``max_rounds``) rounds, stopping as soon as
     every row is done, or (``until_one_ends``, traced) once any row that was live has ended;
     weights as ``_weights`` returns them. Returns (state, rounds run, per round and row the
-    drafts proposed and the accepted drafts emitted, int32 [max_rounds, B], and with the static
+    drafts proposed and the accepted drafts emitted, int32 [max_rounds, B], with the static
     ``with_logprobs`` the raw logprobs of each row's new tokens in order: ids int32 [B, W, 21]
     (the token's rank, then the top 20 ids) and values float32 [B, W, 21] (its logprob, then the
-    top 20), W = max_rounds * (k + 1); else None, None): the engine's several rounds per host
-    call (``Engine.step``)."""
+    top 20), W = max_rounds * (k + 1), else None, None; and the last round's drawn rows and
+    ``Verified``): the engine's calls (``engine.rounds.call``).
+
+    ``host``: a (``StepBatch``, ``SpecBatch`` or None) the caller laid out. Every round is laid
+    out in its shapes (``_layout``), and with ``from_host`` (traced) the call runs it as its one
+    round instead, for rows the state does not hold (every row of ``state`` done): the caller
+    reads that round's drawn rows and ``Verified``. One program then runs a caller's round and
+    the device's, traced once."""
     b = state.length.shape[0]
     rec = jnp.zeros((max_rounds, b), jnp.int32)
     spec = cfg.speculative_config
@@ -377,14 +416,27 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     width = max_rounds * k1
     shape = (b, width, 1 + sampling_params.MAX_LOGPROBS) if with_logprobs else (b, 0)
     ids, vals = jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+    laid_in = None if host is None else (host[0].tokens.shape[0], host[0].logit_rows.shape[0],
+                                         None if host[1] is None else host[1].draft_tokens.shape[0])
+
+    def one(i, st):
+        if host is None:
+            batch, sb, laid = _layout(st, cfg, with_logprobs)
+        else:                         # the caller's rows instead, in its call's one round
+            batch, sb, laid = lax.cond(from_host & (i == 0), lambda st: (*host, _idle(st, cfg)),
+                                       lambda st: _layout(st, cfg, with_logprobs, laid_in), st)
+        dev, dcache, drawn, v = round_step(w, dw, device_state(st), st.draft_cache, batch, sb,
+                                           run=cfg)
+        return _finish(st, cfg, laid, dev, dcache, drawn, v, with_logprobs), (drawn, v)
 
     def body(c):
-        i, st, drafted, accepted, ids, vals = c
-        new, report = _round_reported(w, dw, st, cfg, with_logprobs)
+        i, st, drafted, accepted, ids, vals, _ = c
+        (new, report), out = one(i, st)
         if with_logprobs:
             ids, vals = record(st, new, report, ids, vals)
         return (i + 1, new, drafted.at[i].set(new.num_draft_tokens - st.num_draft_tokens),
-                accepted.at[i].set(new.num_accepted_tokens - st.num_accepted_tokens), ids, vals)
+                accepted.at[i].set(new.num_accepted_tokens - st.num_accepted_tokens), ids, vals,
+                out)
 
     def record(st, new, report, ids, vals):
         lp, rank, top_ids, top_lps = report
@@ -396,12 +448,17 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
         vals = vals.at[rows, at].set(jnp.concatenate([lp[..., None], top_lps], -1), mode="drop")
         return ids, vals
 
+    # the last round's drawn rows and Verified start as zeros of their shapes
+    last = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                        jax.eval_shape(lambda st: one(jnp.int32(0), st)[1], state))
     was_live = ~state.done
-    more = lambda c: ((c[0] < jnp.minimum(num_rounds, max_rounds)) & jnp.any(~c[1].done)
+    first = (from_host & (host is not None))
+    more = lambda c: ((c[0] < jnp.minimum(num_rounds, max_rounds))
+                      & ((first & (c[0] == 0)) | jnp.any(~c[1].done))
                       & ~(until_one_ends & jnp.any(c[1].done & was_live)))
-    n, state, drafted, accepted, ids, vals = lax.while_loop(
-        more, body, (jnp.int32(0), state, rec, rec, ids, vals))
-    return (state, n, drafted, accepted) + ((ids, vals) if with_logprobs else (None, None))
+    n, state, drafted, accepted, ids, vals, last = lax.while_loop(
+        more, body, (jnp.int32(0), state, rec, rec, ids, vals, last))
+    return (state, n, drafted, accepted) + ((ids, vals) if with_logprobs else (None, None)) + last
 
 
 def outputs(state: State, width: int) -> Outputs:

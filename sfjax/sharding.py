@@ -231,7 +231,7 @@ def validate_slots(max_num_seqs: int, mesh: Mesh | None) -> None:
 
 
 def slot_rows(slots, live, num_slots: int, mesh: Mesh | None, rows_per_slot: int, row_tile: int,
-              counts=None):
+              counts=None, rows: int | None = None):
     """Rows on the device for entries of ``rows_per_slot`` consecutive rows each (entry e is slot
     ``slots[e]``, int32 [E], where ``live``), laid out by data shard: shard d's segment holds its
     live entries packed in entry order. Returns (first row of each entry int32 [E], rows in all).
@@ -241,13 +241,16 @@ def slot_rows(slots, live, num_slots: int, mesh: Mesh | None, rows_per_slot: int
     starts at the row count (out of range: scatters with mode="drop" skip it). ``counts`` (int32
     [E], each at most ``rows_per_slot``): the rows each entry takes instead, packed one after
     another within its segment, so the padding is all at the segment's end (where the tile loops
-    skip it); an entry that is not live starts at the row count then, on one shard too."""
+    skip it); an entry that is not live starts at the row count then, on one shard too.
+    ``rows``: the rows in all instead (dp segments of rows / dp), a bucket whose segments hold
+    every shard's live entries' rows (rows past it are dropped by the scatters)."""
     e, dp = slots.shape[0], dp_of(mesh)
     tiles = lambda n: -(-n // row_tile) * row_tile
     if dp == 1 and counts is None:
-        return jnp.arange(e, dtype=jnp.int32) * rows_per_slot, tiles(e * rows_per_slot)
+        return jnp.arange(e, dtype=jnp.int32) * rows_per_slot, rows or tiles(e * rows_per_slot)
     per = num_slots // dp
-    seg = tiles(per * rows_per_slot) if dp > 1 else tiles(e * rows_per_slot)
+    seg = (rows // dp if rows else tiles(per * rows_per_slot) if dp > 1
+           else tiles(e * rows_per_slot))
     shard = jnp.where(live, slots // per, dp) if dp > 1 else jnp.where(live, 0, 1)
     size = rows_per_slot if counts is None else jnp.where(live, counts, 0)
     mine = (shard[:, None] == jnp.arange(dp)[None, :]).astype(jnp.int32) * jnp.reshape(size, (-1, 1))

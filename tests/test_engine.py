@@ -178,23 +178,25 @@ def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
 
 def test_engines_share_the_programs_of_what_the_device_reads(model_folder):
     """Programs are keyed on what they are specialised on: models that differ only in their
-    special token ids (the host puts stop ids in the sampling table), and speculation that differs
-    only in host-side settings (adaptive k, disable_by_batch_size), share compiled rounds."""
+    special token ids (the host puts stop ids in the sampling table) share the engine's one
+    program; speculation that differs in what the device rounds read (adaptive k,
+    disable_by_batch_size) does not."""
     geometry = dict(max_num_seqs=4, max_model_len=64)
     a = LLM(model_folder(toy.tiny_config(), seed=0, std=0.1), **geometry).engine
     b = LLM(model_folder(toy.tiny_config(eos_token_ids=(5, 6), bos_token_id=2), seed=0, std=0.1),
             **geometry).engine
     assert a.batches.eos_token_ids != b.batches.eos_token_ids
-    assert a.programs.plain_round is b.programs.plain_round
-    assert a.programs.decode_rounds is b.programs.decode_rounds
-    fixed = LLM(model_folder(toy.tiny_config(), seed=0, std=0.1), **geometry, speculative_config={
-        "method": "ngram", "num_speculative_tokens": spec_config.ADAPTIVE_MAX}).engine
+    assert a.programs.round is b.programs.round
+    assert a.programs.round_logprobs is b.programs.round_logprobs
+    spec = {"method": "ngram", "num_speculative_tokens": spec_config.ADAPTIVE_MAX}
+    fixed = LLM(model_folder(toy.tiny_config(), seed=0, std=0.1), **geometry,
+                speculative_config=spec).engine
+    again = LLM(model_folder(toy.tiny_config(), seed=0, std=0.1), **geometry,
+                speculative_config=spec).engine
     auto = LLM(model_folder(toy.tiny_config(), seed=0, std=0.1), **geometry, speculative_config={
         "method": "ngram", "num_speculative_tokens": "auto", "disable_by_batch_size": 3}).engine
-    assert fixed.programs.spec_round is auto.programs.spec_round
-    assert fixed.programs.plain_round is a.programs.plain_round
-    # the several-rounds program reads the adaptive rule and the batch-size cut-off: its own
-    assert fixed.programs.decode_rounds is not auto.programs.decode_rounds
+    assert fixed.programs.round is again.programs.round
+    assert fixed.programs.round is not auto.programs.round
 
 
 def test_ordinary_id_lists_compile_nothing_new(llm):

@@ -10,8 +10,8 @@ from sfjax import LLM, SamplingParams, toy
 
 def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
     target = model_folder(toy.tiny_config(), seed=0, std=0.1)
-    # one round per call, so every round below is the spec_round (the rounds' own program is one
-    # shape whatever the composition: test_precompile_covers_every_step_of_a_run)
+    # one round per call, so every call below is the engine's one program (its rounds with
+    # logprobs are one shape whatever the composition: test_precompile_covers_every_step_of_a_run)
     llm = LLM(target, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
               num_scheduler_steps=1,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
@@ -23,15 +23,15 @@ def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
         llm.generate(prompts, params, use_tqdm=False)
 
     run(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))       # warm up the buckets
-    spec_round = llm.engine.programs.spec_round                # the engine's own compiled round
-    warm = spec_round._cache_size()
+    program = llm.engine.programs.round                      # the engine's own compiled program
+    warm = program._cache_size()
     # other rows' k (max_tokens limits it near the end), opt-outs, sampling modes, stop tokens
     run([SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(4)])
     run([SamplingParams(temperature=1.0, seed=i, top_p=0.9, max_tokens=12, ignore_eos=True,
                         disable_spec_decode=i % 2 == 1) for i in range(4)])
     run([SamplingParams(temperature=0.7, seed=i, max_tokens=10, stop_token_ids=[3], min_tokens=2,
                         presence_penalty=0.5) for i in range(4)])
-    assert spec_round._cache_size() == warm
+    assert program._cache_size() == warm
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
 
 

@@ -117,7 +117,7 @@ class BatchBuilder:
 
     def build(self, plan: list[Scheduled], rows: list[tuple] | None = None,
                      tail: list | None = None, verify: set[int] = frozenset(), k1: int = 1,
-                     min_rows: int = 0) -> tuple[StepBatch, list, list[int]]:
+                     min_rows: int = 0, min_logit_rows: int = 0) -> tuple[StepBatch, list, list[int]]:
         """Packs the plan's rows by data shard (``pack``); returns the batch, per
         logit row (request, prompt position whose next token's logprob it reports or -1 for a
         draw, offset of a verify row), and each entry's first row.
@@ -126,7 +126,7 @@ class BatchBuilder:
         come last: a round's verify rows, ``k1`` per entry in ``verify`` (slot-major, then
         padding slots), given as (request, -1, j). Trailing padding costs nothing: whole tiles
         past the real rows are skipped. At least ``min_rows`` rows are laid out, so a round's
-        shape does not follow its composition.
+        shape does not follow its composition; and at least ``min_logit_rows`` logit rows.
         """
         tile = self.row_tile
         rows = rows if rows is not None else layout(plan, {}, 0)
@@ -148,7 +148,7 @@ class BatchBuilder:
         all_rows = [r for r, _ in logit_rows] + verify_rows + [0] * (len(tail) - len(verify_rows))
         meta = [m for _, m in logit_rows] + list(tail)
         real = len(logit_rows) + len(verify_rows)
-        r = bucket(max(len(meta), 1), tile)
+        r = bucket(max(len(meta), 1, min_logit_rows), tile)
         logprobs = any(req is not None and (req.params.logprobs is not None or pos >= 0)
                        for req, pos, _ in meta)
         batch = StepBatch(

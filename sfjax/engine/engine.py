@@ -5,9 +5,9 @@ Admission (``prepare``: validation, tokenization, the strategy's certificate) an
 the jobs around them have their modules: ``scheduler`` (chunked prefill, preemption, prefix
 caching), ``allocator`` (KV pages), ``batch`` (a plan's rows, packed by data shard, and their
 sampling arrays), ``output`` (tokens into requests, detokenization, stops, RequestOutputs),
-``speculation`` (the draft model, per-row k, counters), ``rounds`` (several rounds per call on
-the device), ``programs`` (the compiled steps this engine owns) and ``compile`` (shape buckets,
-precompile)."""
+``speculation`` (the draft model, per-row k, counters), ``rounds`` (the one program every call
+runs: a round the host laid out, or rounds the device lays out), ``programs`` (the compiled
+programs this engine owns) and ``compile`` (shape buckets, precompile)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from sfjax.outputs import RequestOutput, merge_outputs
 from sfjax.run import RunConfig, check_settings
 from sfjax.sampling_params import SamplingParams
 from sfjax.engine import compile, programs, rounds, speculation
-from sfjax.engine.batch import BatchBuilder, draft_rows, layout, pack, spec_batch
+from sfjax.engine.batch import BatchBuilder, bucket, draft_rows, layout, pack, spec_batch
 from sfjax.engine.output import OutputProcessor
 from sfjax.engine.slots import SlotSync
 from sfjax.engine.speculation import Speculator
@@ -142,6 +142,8 @@ class Engine:
                                 config.max_num_seqs) if speculative else None)
         self.run = self._run_config(tiles(cfg, self.weights))
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
+        self._shapes: set[tuple] = set()               # the buckets its calls have run in
+        self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
         self.requests: dict[str, Request] = {}
         self._held: dict[str, RequestOutput] = {}      # outputs for the next step
         self._plan, self._dispatched = [], False
@@ -362,13 +364,15 @@ class Engine:
         self.stats["steps"] += 1                 # device rounds
         self.stats["host_steps"] += 1            # calls that ran the device (several rounds each)
         n_rounds = self._rounds_for(plan)
-        if n_rounds > 1:
+        if n_rounds:
             return self._rounds_step(plan, n_rounds)
-        spec_k = self._speculating(plan) if self.spec else {}
-        if self.spec and (spec_k or self.spec.every_step):
-            return self._spec_step(plan, spec_k)
-        batch, meta, _ = self.batches.build(plan)
-        drawn = jax.device_get(self._run_plain(batch))
+        if self.spec:
+            return self._spec_step(plan, self._speculating(plan))
+        def build(n, r, _):
+            batch, meta, _ = self.batches.build(plan, min_rows=n, min_logit_rows=r)
+            return batch, None, meta
+        batch, _, meta = self._in_bucket(build)
+        drawn = jax.device_get(self._run_host(batch, None)[0])
         for s in plan:
             self.scheduler.set_computed(s.request, s.start + s.count)
         return self._read_rows(meta, drawn, 0)
@@ -428,21 +432,26 @@ class Engine:
         for r in range(n_slots):
             req = plan[order[r]].request if r < len(order) else None
             verify_meta += [(req, -1, j) for j in range(k1)]
-        batch, meta, first = self.batches.build(plan, layout(plan, spec_k, spec.k_max),
-                                               verify_meta, set(order), k1, min_rows=n_slots * k1)
+        rows, decode = layout(plan, spec_k, spec.k_max), {
+            i for i, s in enumerate(plan) if self._is_decode(s)}
+
+        def build(n, r, na):
+            batch, meta, first = self.batches.build(plan, rows, verify_meta, set(order), k1,
+                                                    max(n, n_slots * k1), r)
+            draft, n_draft = ([], [], [], {}), self.config.row_tile   # n-gram: no draft model
+            if spec.draft_cfg is not None:
+                # the draft pass takes the target's row count (padding tiles cost nothing), or the
+                # next bucket when many plain decode rows (two draft rows each) overflow it
+                *d_rows, d_first = pack(draft_rows(plan, decode), self.batches.shards(plan),
+                                        self.dp, self.config.row_tile, max(len(batch.tokens), na))
+                draft, n_draft = (*d_rows, {i: d_first[i] + 1 for i in decode}), len(d_rows[0])
+            sb = spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, n_slots, n_draft,
+                            len(meta) - len(verify_meta), k1)
+            return batch, sb, meta
+
+        batch, sb, meta = self._in_bucket(build)
         start = len(meta) - len(verify_meta)
-        decode = {i for i, s in enumerate(plan) if self._is_decode(s)}
-        draft, n_draft = ([], [], [], {}), self.config.row_tile   # n-gram: no draft model to feed
-        if spec.draft_cfg is not None:
-            # the draft pass takes the target's row count (padding tiles cost nothing), or the
-            # next bucket when many plain decode rows (two draft rows each) overflow it: few shapes
-            *rows, d_first = pack(draft_rows(plan, decode),
-                                              self.batches.shards(plan), self.dp, self.config.row_tile,
-                                              len(batch.tokens))
-            draft, n_draft = (*rows, {i: d_first[i] + 1 for i in decode}), len(rows[0])
-        sb = spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, n_slots, n_draft, start,
-                        k1)
-        drawn, v = jax.device_get(self._run_spec(batch, sb))
+        drawn, v = jax.device_get(self._run_host(batch, sb))
         for i, s in enumerate(plan):
             if i not in spec_k:
                 self.scheduler.set_computed(s.request, s.start + s.count)
@@ -477,30 +486,31 @@ class Engine:
             m.add(drafted, min(accepted, len(new)))
         return self.outputs.output(req, new_token_ids=new)
 
-    # -- several rounds per host call ----------------------------------------------------------
+    # -- rounds the device lays out, and the one program ---------------------------------------
 
     def _rounds_for(self, plan: list[Scheduled]) -> int:
-        """Rounds to run on the device in one call (1: a single step). Several only when every
-        running request decodes, no waiting one has a free slot to be admitted to, each is
-        ``rounds.eligible`` (the engine's own strategy), and the free blocks hold every request's
-        growth over the rounds; fewer rounds are tried before giving up. Reserves the blocks."""
-        r = self.config.num_scheduler_steps
+        """Rounds the device lays out in this call (0: the host lays out its one round). The
+        device does when every running request decodes, each is ``rounds.eligible`` (the
+        engine's own strategy), and the free blocks hold every request's growth over the rounds;
+        several (up to ``num_scheduler_steps``, fewer tried before one) only when no waiting
+        request has a free slot to be admitted to. With ``num_scheduler_steps=1`` the host lays
+        out every round (a call of device rounds costs more than the host's one round at small
+        batch on CPU). Reserves the blocks."""
         sched = self.scheduler
-        if r <= 1 or (sched.waiting and sched.has_free_slot()) or len(plan) != len(sched.running):
-            return 1
+        r = 1 if sched.waiting and sched.has_free_slot() else self.config.num_scheduler_steps
         slot = self.spec.slot if self.spec else 0
-        if not all(self._is_decode(s) and rounds.eligible(s.request, slot) for s in plan):
-            return 1
+        if self.config.num_scheduler_steps == 1 or len(plan) != len(sched.running) or not all(
+                self._is_decode(s) and rounds.eligible(s.request, slot) for s in plan):
+            return 0
         k1 = self.spec.k_max + 1 if self.spec else 1
         def upto(req, r):       # the round's K/V writes stay below prompt + max_tokens
             return min(req.num_tokens + r * k1, len(req.prompt_token_ids) + req.max_tokens)
-        while r > 1:
-            if sched.can_grow([(s.request, upto(s.request, r)) for s in plan]):
-                break
+        while r > 1 and not sched.can_grow([(s.request, upto(s.request, r)) for s in plan]):
             r //= 2
-        if r > 1:
-            for s in plan:
-                sched.grow(s.request, upto(s.request, r))
+        if not sched.can_grow([(s.request, upto(s.request, r)) for s in plan]):
+            return 0
+        for s in plan:
+            sched.grow(s.request, upto(s.request, r))
         return r
 
     def _rounds_step(self, plan: list[Scheduled], num_rounds: int) -> list[RequestOutput]:
@@ -516,10 +526,11 @@ class Engine:
                 so_far[req.slot] = req.spec_metrics.num_draft_tokens
                 kept[req.slot] = req.spec_metrics.num_accepted_tokens
         with_logprobs = any(req.params.logprobs is not None for req in reqs)
-        out, logprobs = self._run_rounds(prompt_len, length, last, live, num_rounds,
-                                         bool(self.scheduler.waiting), so_far, kept, with_logprobs)
+        out, logprobs = self._run_rounds(self._rounds_shape(reqs, with_logprobs), (
+            prompt_len, length, last, live, so_far, kept), num_rounds,
+            bool(self.scheduler.waiting), with_logprobs)
         n, tokens, new_len, drafted, accepted = rounds.unpack(np.asarray(out),
-                                                              self.config.num_scheduler_steps)
+                                                              self.programs.max_rounds)
         logprobs = None if logprobs is None else np.asarray(logprobs)
         self.stats["steps"] += n - 1                        # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
@@ -563,34 +574,89 @@ class Engine:
         self.state = self.slots.sync(self.state, self.scheduler.running, self.programs.update_slots)
         self._dispatched = True
 
-    def _run_rounds(self, prompt_len, length, last, live, num_rounds, until_one_ends=False,
-                    drafted=None, accepted=None, with_logprobs=False):
-        spec = self.spec
-        zeros = np.zeros_like(length)
-        self._sync()
-        program = (self.programs.decode_rounds_logprobs if with_logprobs
-                   else self.programs.decode_rounds)
-        self.state, draft_cache, out, logprobs = program(
-            self.weights, spec.draft_weights if spec else None, self.state,
-            spec.draft_cache if spec else None, prompt_len, length, last, live,
-            zeros if drafted is None else drafted, zeros if accepted is None else accepted,
-            np.int32(num_rounds), np.bool_(until_one_ends))
-        if spec:
-            spec.draft_cache = draft_cache
+    def _fit(self, shape: tuple) -> tuple:
+        """The smallest (rows, logit rows, draft rows) bucket this engine has run that holds
+        ``shape``, else ``shape``: a call runs in a compiled bucket when one holds its rows
+        (whole tiles past the real rows are skipped). A count of one tile stays one tile where
+        small tiles are certified: a call of one tile runs in a smaller one (``rows.Rows``)."""
+        n, r, na = shape
+        one = self.dp * self.config.row_tile
+        small = bool(self.run.small_tiles)
+        draft_small = bool(self.run.draft_small_tiles)
+        holds = lambda have, need, tiny: have == need if tiny and need <= one else have >= need
+        fits = [sh for sh in self._shapes if holds(sh[0], n, small) and holds(sh[1], r, small)
+                and (na is None or holds(sh[2], na, draft_small))]
+        return min(fits) if fits else shape
+
+    def _in_bucket(self, build):
+        """``build(rows, logit rows, draft rows)`` -> (batch, spec batch, ...) with at least that
+        many, built in the fewest, then again in ``_fit``'s bucket if that is larger."""
+        out = build(0, 0, 0)
+        shape = (len(out[0].tokens), len(out[0].logit_rows),
+                 None if out[1] is None else len(out[1].draft_tokens))
+        fit = self._fit(shape)
+        return out if fit == shape else build(*fit)
+
+    def _rounds_shape(self, reqs: list[Request], with_logprobs: bool) -> tuple:
+        """The (rows, logit rows, draft rows) a call of device rounds for ``reqs`` runs in: the
+        bucket a host round of them would take, or a larger one the engine has run (``_fit``);
+        with logprobs, the bucket of every slot's rows (that program is compiled once,
+        ``compile.shape_buckets``)."""
+        c, dp, tile = self.config, self.dp, self.config.row_tile
+        load = [0] * dp
+        for req in reqs:
+            load[self.scheduler.shard_of(req.slot)] += 1
+        per = c.max_num_seqs // dp if with_logprobs else max(load)
+        if self.spec is None:
+            rows = c.max_num_seqs if with_logprobs else len(reqs)
+            shape = dp * bucket(max(per, 1), tile), bucket(max(rows, 1), tile), None
+        else:
+            k1 = self.spec.k_max + 1
+            seg = bucket(max(per * k1, -(-c.max_num_seqs * k1 // dp)), tile)
+            na = dp * bucket(max(2 * per, seg), tile) if self.spec.draft_cfg is not None else tile
+            shape = dp * seg, bucket(c.max_num_seqs * k1, tile), na
+        return shape if with_logprobs else self._fit(shape)
+
+    def _padding(self, shape: tuple):
+        """A batch (and spec batch) of padding rows in ``shape`` (``_rounds_shape``'s), built
+        once per shape (the calls do not donate them)."""
+        if shape not in self._pads:
+            n, r, na = shape
+            batch, _, _ = self.batches.build([], [], [(None, -1, 0)] * r, min_rows=n)
+            s, k1 = self.config.max_num_seqs, self.spec.k_max + 1 if self.spec else 1
+            self._pads[shape] = batch, None if self.spec is None else spec_batch(
+                [], {}, {}, ([], [], [], {}), s, na, r - s * k1, k1)
+        return self._pads[shape]
+
+    def _run_rounds(self, shape: tuple, slot_rows: tuple, num_rounds: int,
+                    until_one_ends: bool = False, with_logprobs: bool = False):
+        """Device rounds (``rounds.call``) for the slots of ``slot_rows`` (prompt_len, length,
+        last, live, drafted, accepted), in ``shape``: (out, logprobs)."""
+        out, logprobs, _, _ = self._call(*self._padding(shape), slot_rows, num_rounds,
+                                         until_one_ends, False, with_logprobs)
         return out, logprobs
 
-    def _run_plain(self, batch: StepBatch):
-        self._sync()
-        self.state, _, drawn, _ = self.programs.plain_round(self.weights, None, self.state, None,
-                                                            batch, None)
-        return drawn
+    def _run_host(self, batch: StepBatch, sb):
+        """The host's round (``batch``, and a speculating engine's ``sb``): (drawn, verified)."""
+        s = self.config.max_num_seqs
+        zeros = np.zeros(s, np.int32)
+        idle = (zeros, zeros, zeros, np.zeros(s, bool), zeros, zeros)
+        return self._call(batch, sb, idle, 1, False, True, False)[2:]
 
-    def _run_spec(self, batch: StepBatch, sb):
+    def _call(self, batch, sb, slot_rows, num_rounds, until_one_ends, from_host, with_logprobs):
         spec = self.spec
         self._sync()
-        self.state, spec.draft_cache, drawn, verified = self.programs.spec_round(
-            self.weights, spec.draft_weights, self.state, spec.draft_cache, batch, sb)
-        return drawn, verified
+        program = self.programs.round_logprobs if with_logprobs else self.programs.round
+        self.state, draft_cache, *out = program(
+            self.weights, spec.draft_weights if spec else None, self.state,
+            spec.draft_cache if spec else None, batch, sb, *slot_rows, np.int32(num_rounds),
+            np.bool_(until_one_ends), np.bool_(from_host))
+        if spec:
+            spec.draft_cache = draft_cache
+        if not with_logprobs:
+            self._shapes.add((len(batch.tokens), len(batch.logit_rows),
+                              None if sb is None else len(sb.draft_tokens)))
+        return out
 
     # -- compiling ahead -----------------------------------------------------------------------
 

@@ -26,7 +26,6 @@ import jax
 
 from sfjax import step
 from sfjax.engine import rounds
-from sfjax.round import round_step
 from sfjax.spec import eagle
 
 PROGRAM_CACHE_SIZE = int(os.environ.get("SFJAX_PROGRAM_CACHE", "16"))
@@ -37,16 +36,16 @@ _recent: collections.OrderedDict = collections.OrderedDict()
 @dataclasses.dataclass(frozen=True)
 class Programs:
     """The jitted programs of one engine shape; each DONATES the state (and draft cache) it
-    takes. ``plain_round`` and ``spec_round`` are the one round (``round.round_step``), plain and
-    specialised on the engine's ``RoundConfig``: (weights, draft_weights, state, draft_cache,
-    batch, spec batch) -> (state, draft_cache, drawn, verified)."""
-    plain_round: Callable
-    spec_round: Callable | None
-    decode_rounds: Callable     # rounds.decode_rounds without its static arguments
-    decode_rounds_logprobs: Callable   # the same, recording the new tokens' logprobs
+    takes. ``round`` is the engine's one program (``rounds.call``, over ``round.round_step``):
+    a round the host laid out, or up to ``num_scheduler_steps`` rounds the device lays out, in
+    one shape bucket; ``round_logprobs`` is the same, recording the device rounds' tokens'
+    logprobs."""
+    round: Callable
+    round_logprobs: Callable
     write_history: Callable     # (state, slot, row, n) -> state
     update_slots: Callable      # (state, slots, block rows, sampling rows) -> state
     forget: Callable | None     # eagle3: (head state, slot) -> head state (``eagle.forget``)
+    max_rounds: int             # the rounds a call of ``round`` may run (its read-back's width)
 
 
 def _jit(fn, donate: tuple[str, ...], **static) -> Callable:
@@ -72,32 +71,24 @@ def _shared(key: tuple, build: Callable[[], Callable]) -> Callable:
 
 def programs_for(engine) -> Programs:
     """The engine's programs, each shared with recent engines that agree on what that program
-    is specialised on, and nothing more (its ``RunConfig``, and the shapes and dtypes of the
-    arrays it carries; the batch's shapes are keyed by jit itself): a plain round is shared by
-    plain and speculating engines of one model and cache, whatever their host settings."""
+    is specialised on, and nothing more (its ``RunConfig``, the rounds a call may run, and the
+    shapes and dtypes of the arrays it carries; the batch's shapes are keyed by jit itself)."""
     run, spec = engine.run.of_device(), engine.spec
-    plain = run.plain()
     target = _shapes((engine.weights, engine.state))
     draft = None if spec is None else _shapes((spec.draft_weights, spec.draft_cache))
+    steps = engine.config.num_scheduler_steps
     progs = dict(
-        plain_round=_shared(("round", plain, target),
-                            lambda: _jit(round_step, ("state", "draft_cache"), run=plain)),
         write_history=_shared(("write_history", _shapes(engine.state)),
                               lambda: _jit(step.write_history, ("state",))),
         update_slots=_shared(("update_slots", _shapes(engine.state)),
                              lambda: _jit(step.update_slots, ("state",))),
-        spec_round=None, forget=None)
+        forget=None, max_rounds=steps)
     if spec is not None and spec.head_cfg is not None:
         progs["forget"] = _shared(("forget", draft), lambda: _jit(eagle.forget, ("state",)))
-    if spec is not None:
-        one = engine.run.of_round()
-        progs["spec_round"] = _shared(("round", one, target, draft), lambda: _jit(
-            round_step, ("state", "draft_cache"), run=one))
-    steps = engine.config.num_scheduler_steps
-    for name, logprobs in (("decode_rounds", False), ("decode_rounds_logprobs", True)):
+    for name, logprobs in (("round", False), ("round_logprobs", True)):
         progs[name] = _shared(
-            ("decode_rounds", run, steps, logprobs, target, draft),
-            lambda logprobs=logprobs: _jit(rounds.decode_rounds, ("state", "draft_cache"), run=run,
+            ("round", run, steps, logprobs, target, draft),
+            lambda logprobs=logprobs: _jit(rounds.call, ("state", "draft_cache"), run=run,
                                            max_rounds=steps, with_logprobs=logprobs))
     return Programs(**progs)
 

@@ -1,13 +1,15 @@
-"""Several decode rounds per host call: the engine's running requests handed to
-``sfjax.functional``'s rounds on the device, with the engine's own cache, history and blocks.
+"""The engine's one program (``call``): a round the host laid out, or up to
+``num_scheduler_steps`` rounds the device lays out, both through ``sfjax.functional``'s rounds
+over the engine's own cache, history and blocks, traced once per shape bucket.
 
-When every running request is decoding and no waiting one could be admitted (no free slot),
-``Engine.step`` reserves blocks for up to ``num_scheduler_steps`` rounds, runs them in one jitted
-``lax.while_loop`` (leaving it once every row has ended, or once one has while others wait for a
-slot), and reads back only the new tokens. A round is the same traced step
-the engine runs one at a time (``functional._round`` lays the batch out on the device), each
-row's bits do not depend on the layout (row tiles), and draws use the same counter keys, so the
-tokens are the single-step engine's.
+When every running request decodes, the device lays out its rows itself (``functional._layout``)
+in a bucket the engine has compiled (``Engine._rounds_shape``): one round per call while a
+waiting request could be admitted, else up to ``num_scheduler_steps`` in one ``lax.while_loop``,
+left once every row has ended, or once one has while others wait for a slot. Steps with prefill
+chunks (or a request that opted out of the engine's strategy) run the host's rows
+(``from_host``) as the call's one round, in the same program. Each row's bits do not depend on
+the layout (row tiles), and draws use the same counter keys, so the tokens are the same either
+way; the host reads back only the new tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from sfjax.cache import KVCache
 from sfjax.engine.scheduler import Request
 from sfjax.run import RunConfig
 from sfjax.sampling import Drawn
-from sfjax.step import DeviceState
+from sfjax.round import SpecBatch
+from sfjax.step import DeviceState, StepBatch
 
 
 def eligible(req: Request, strategy_slot: int) -> bool:
@@ -52,25 +55,32 @@ def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
 
 @functools.partial(jax.jit, static_argnames=("run", "max_rounds", "with_logprobs"),
                    donate_argnames=("state", "draft_cache"))
-def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
-                  prompt_len, length, last, live, drafted, accepted, num_rounds, until_one_ends,
-                  *, run: RunConfig, max_rounds: int, with_logprobs: bool = False):
-    """Up to ``num_rounds`` rounds for the ``live`` slots, with the state's block tables and
-    sampling table. DONATES ``state`` and ``draft_cache``.
+def call(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
+         batch: StepBatch, spec: SpecBatch | None, prompt_len, length, last, live, drafted,
+         accepted, num_rounds, until_one_ends, from_host, *, run: RunConfig, max_rounds: int,
+         with_logprobs: bool = False):
+    """The engine's one program: a call of one round laid out by the host, or of up to
+    ``num_rounds`` rounds the device lays out for the ``live`` slots, in the host batch's shapes
+    (``functional.run_rounds``), with the state's block tables and sampling table. DONATES
+    ``state`` and ``draft_cache``.
 
-    ``until_one_ends``: return once any request ends (others wait for its slot).
-    ``last`` is each slot's newest token (drawn, not yet fed: the engine's history records tokens
-    as they are fed; the rounds read a row's input token from the history). ``drafted`` and
-    ``accepted``: each slot's request's draft tokens and accepted drafts so far (adaptive_k
-    reads them). ``with_logprobs`` (static: a program of its own, so the rounds without it
-    compute and carry nothing more): record each new token's raw logprobs.
+    ``from_host``: run ``batch`` (and ``spec``, a speculating engine's) as the call's one round
+    (``live`` all False); the host reads its drawn rows and ``Verified``. Otherwise ``batch`` and
+    ``spec`` are padding of the bucket the rounds run in (one the engine has compiled, whose
+    shapes hold every live slot's rows), and ``until_one_ends``: return once any request ends
+    (others wait for its slot). ``last`` is each slot's newest token (drawn, not yet fed: the
+    engine's history records tokens as they are fed; the rounds read a row's input token from
+    the history). ``drafted`` and ``accepted``: each slot's request's draft tokens and accepted
+    drafts so far (adaptive_k reads them). ``with_logprobs`` (static: a program of its own, so
+    the rounds without it compute and carry nothing more): record each new token's raw logprobs.
 
-    Returns (state, draft cache, out, logprobs). ``out``, int32 [slots, 2 + W + 2 * max_rounds]:
-    per slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens from its old
-    length on, and the drafts proposed and the accepted drafts emitted in each round
+    Returns (state, draft cache, out, logprobs, drawn, verified). ``out``, int32 [slots, 2 + W +
+    2 * max_rounds]: per slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens
+    from its old length on, and the drafts proposed and the accepted drafts emitted in each round
     (``unpack``): one array, so the host reads everything back in one transfer. ``logprobs``,
     int32 [slots, 2, W, 21] with ``with_logprobs`` (else None): per token its rank and top-20
-    ids, then (as float32 bits) its logprob and the top 20 (``unpack_logprobs``)."""
+    ids, then (as float32 bits) its logprob and the top 20 (``unpack_logprobs``). ``drawn`` and
+    ``verified``: the last round's (``round.round_step``'s), the host's with ``from_host``."""
     zeros = jnp.zeros_like(length)
     slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
     history = state.history.at[slots, length - 1].set(last, mode="drop")
@@ -78,8 +88,9 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
                  block_tables=state.block_tables, prompt_len=prompt_len, length=length,
                  done=~live, sampling=state.table, num_drafts=zeros, num_draft_tokens=drafted,
                  num_accepted_tokens=accepted)
-    st, n, drafted, accepted, ids, vals = F.run_rounds(weights, draft_weights, st, run, num_rounds,
-                                                       max_rounds, until_one_ends, with_logprobs)
+    st, n, drafted, accepted, ids, vals, drawn, verified = F.run_rounds(
+        weights, draft_weights, st, run, num_rounds, max_rounds, until_one_ends, with_logprobs,
+        (batch, spec), from_host)
     width = max_rounds * (run.k_max + 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
@@ -88,11 +99,11 @@ def decode_rounds(weights, draft_weights, state: DeviceState, draft_cache: KVCac
     logprobs = (jnp.stack([ids, lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
                 if with_logprobs else None)
     return (dataclasses.replace(state, cache=st.cache, history=st.history), st.draft_cache, out,
-            logprobs)
+            logprobs, drawn, verified)
 
 
 def unpack(out, max_rounds: int):
-    """``decode_rounds``' read-back on the host: (rounds run, tokens [slots, W], new lengths
+    """``call``'s read-back on the host: (rounds run, tokens [slots, W], new lengths
     [slots], drafts and accepted drafts [max_rounds, slots])."""
     width = out.shape[1] - 2 - 2 * max_rounds
     rec = out[:, 2 + width:]
@@ -101,7 +112,7 @@ def unpack(out, max_rounds: int):
 
 
 def unpack_logprobs(logprobs, slot: int) -> Drawn:
-    """One slot's tokens' raw logprobs from ``decode_rounds``' second array (on the host), as a
+    """One slot's tokens' raw logprobs from ``call``'s second array (on the host), as a
     ``sampling.Drawn`` of numpy arrays over its W tokens (no tokens field)."""
     ids, vals = logprobs[slot, 0], np.ascontiguousarray(logprobs[slot, 1]).view(np.float32)
     return Drawn(tokens=None, logprob=vals[:, 0], rank=ids[:, 0], top_ids=ids[:, 1:],
