@@ -24,12 +24,22 @@ def _llm(args, default_spec: dict | None = None):
     if spec is not None and not isinstance(spec, dict):
         raise ValueError("--speculative-config must be a JSON object, e.g. "
                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+    options = None
+    if args.compiler_options:
+        try:
+            options = json.loads(args.compiler_options)
+        except ValueError as e:
+            raise ValueError(f"--compiler-options is not valid JSON ({e})") from None
+        if not isinstance(options, dict):
+            raise ValueError("--compiler-options must be a JSON object, e.g. "
+                             "'{\"xla_gpu_autotune_level\": 0}'")
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed or 0,
                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=not args.no_prefix_caching,
                num_scheduler_steps=args.num_scheduler_steps, speculative_config=spec,
-               small_row_tiles=not args.no_small_row_tiles, attention=args.attention)
+               small_row_tiles=not args.no_small_row_tiles, attention=args.attention,
+               compiler_options=options)
 
 
 def _params(args, **over):
@@ -221,6 +231,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="paged attention: auto (the Pallas kernel on GPU/TPU, the reference by query "
                         "blocks on CPU), reference, reference_tiles (faster for batched CPU serving), "
                         "triton, mosaic_tpu, interpret")
+    p.add_argument("--compiler-options", default=None,
+                   help="XLA options for every program the engine compiles, as a JSON object, "
+                        "e.g. '{\"xla_gpu_autotune_level\": 0}'")
     p.add_argument("--no-small-row-tiles", action="store_true",
                    help="run every step in tiles of 8 rows, also where a tile of 2 or 4 is "
                         "certified to keep the bits (CPU)")

@@ -59,7 +59,8 @@ class LLM:
     ``data_parallel_size`` shard it over a (data, model) mesh of the first tp * dp devices; or pass
     a ``mesh`` (axes ``data`` and ``model``) built by the calling JAX program. Each data shard
     serves max_num_seqs / dp slots from its own num_kv_blocks / dp KV pages; ``kv_cache_bytes``
-    caps the default cache's pages per device. Bad input raises ValueError naming the
+    caps the default cache's pages per device. ``compiler_options`` (a dict of XLA options, e.g.
+    ``{"xla_gpu_autotune_level": 0}``) go to every program the engine compiles. Bad input raises ValueError naming the
     problem before anything runs: for ``generate``, every prompt and its SamplingParams are
     checked first, and if one is refused nothing of the call is enqueued, so no request is
     half-run or lost; requests already in the engine carry on.
@@ -73,6 +74,7 @@ class LLM:
                  attention: str = "auto", enable_prefix_caching: bool = True,
                  num_scheduler_steps: int = 8, small_row_tiles: bool = True,
                  layer_loop: str = "auto", matmul: str | None = "auto",
+                 compiler_options: dict | None = None,
                  speculative_config: dict | SpeculativeConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
         if model is None:
@@ -92,7 +94,7 @@ class LLM:
             seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler,
             attention=attention, enable_prefix_caching=enable_prefix_caching,
             num_scheduler_steps=num_scheduler_steps, small_row_tiles=small_row_tiles,
-            layer_loop=layer_loop, matmul=matmul)
+            layer_loop=layer_loop, matmul=matmul, compiler_options=compiler_options)
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if not os.path.isdir(model):
             raise ValueError(f"model: {model!r} is not a folder (an HF model folder is expected)")

@@ -78,6 +78,10 @@ def test_bench_json_reports_acceptance(tiny_folder, capsys):
     (["generate", "x", "--file", "/nonexistent/prompts.txt"], "No such file"),
     (["generate", "x", "--speculative-config", "[1]"], "must be a JSON object"),
     (["generate"], "no prompts"),
+    (["generate", "x", "--compiler-options", "{bad"], "--compiler-options is not valid JSON"),
+    (["generate", "x", "--compiler-options", "[1]"], "--compiler-options must be a JSON object"),
+    (["generate", "x", "--compiler-options", '{"xla_no_such_option": 1}'],
+     "EngineConfig.compiler_options = {'xla_no_such_option': 1}: XLA refused them"),
     (["generate", "x", "--cpu-threads", "0"], "cpu_threads: 0 is not an int in 1.."),
 ])
 def test_errors_are_one_line_and_exit_2(argv, message, capsys, tiny_folder):

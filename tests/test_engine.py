@@ -199,6 +199,21 @@ def test_engines_share_the_programs_of_what_the_device_reads(model_folder):
     assert fixed.programs.round is not auto.programs.round
 
 
+def test_xla_options_keep_the_tokens_and_get_their_own_programs(llm, tiny_folder):
+    """``compiler_options`` reach the engine's programs (an engine with other options compiles
+    its own) and, XLA:CPU keeping IEEE semantics at every optimization level, not the tokens:
+    greedy and seeded sampled, one round per call and several."""
+    prompts = _prompts(4, seed=5)
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True,
+                                     repetition_penalty=1.3)]
+    ref = [_ids(llm.generate(prompts, p, use_tqdm=False)) for p in params]
+    for level in (1, 2):
+        other = LLM(tiny_folder, max_num_seqs=32, max_model_len=256,
+                    compiler_options={"xla_backend_optimization_level": level})
+        assert other.engine.programs.round is not llm.engine.programs.round
+        assert [_ids(other.generate(prompts, p, use_tqdm=False)) for p in params] == ref
+
+
 def test_ordinary_id_lists_compile_nothing_new(llm):
     """Requests within sampling.MIN_LIST_WIDTHS (stop ids, a few logit_bias entries, 50 allowed
     ids) leave the table's shape, so after plain requests they compile no program: a serving

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine_checks import check_engine, check_idle
+from engine_checks import RUNS_LONG, check_engine, check_idle
 from sfjax import LLM, SamplingParams, toy
 
 
@@ -58,9 +58,9 @@ def _drive(eng, arrivals, abort_at=None):
 
 # Certified small tiles give a row the bits of the whole tile (tests/test_model.py), so they can't
 # change what these tests compare; at this size their certification and extra branches cost a
-# minute of compiling.
+# minute of compiling. These engines run more than they compile (RUNS_LONG).
 GEOMETRY = dict(block_size=8, max_model_len=(2 + 256 // 8) * 8, max_num_seqs=4,
-                small_row_tiles=False)
+                small_row_tiles=False, compiler_options=RUNS_LONG)
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +107,10 @@ def reference(folder):
     """The unpressured plain engine the tiny-model scenarios compare with: a cache for all of
     its 16 slots' full sequences, so nothing is ever preempted (requests queue for a slot
     instead), and at most 64 tokens a step, so its batches take few shape buckets (each one a
-    compile) whatever the workload. Its tokens are any batch's: rows don't see each other."""
+    compile) whatever the workload; it runs the soak's 2000 requests (RUNS_LONG). Its tokens are
+    any batch's: rows don't see each other."""
     return LLM(folder, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64,
-               enable_prefix_caching=False)
+               enable_prefix_caching=False, compiler_options=RUNS_LONG)
 
 
 FAMILIES = [list(range(10, 40)), list(range(10, 22)) + [5] * 14, [7, 8] * 12]
@@ -232,7 +233,7 @@ def test_soak_2000_requests(tiny_folder):
         step += int(rng.random() < 0.4)                  # ~2.5 arrivals per step
     pressed = LLM(tiny_folder, block_size=8, num_kv_blocks=25, max_num_seqs=8,
                   max_num_batched_tokens=64, max_model_len=64, enable_prefix_caching=True,
-                  speculative_config=NGRAM)
+                  speculative_config=NGRAM, compiler_options=RUNS_LONG)
     finished = _drive(pressed.engine, arrivals, abort_at)
     metrics = pressed.get_metrics()
     assert metrics["num_preemptions"] > 0 and metrics["prefix_cache"]["hit_tokens"] > 0

@@ -64,6 +64,9 @@ class EngineConfig:
     # CPU, one device: a step whose valid rows fit a tile of 2 or 4 runs in that tile, where it is
     # certified to keep row_tile's bits (rows.certify_row_tiles)
     small_row_tiles: bool = True
+    # XLA options for every program the engine compiles, as sorted (name, value) pairs
+    # (``compiler_options``: e.g. xla_gpu_autotune_level, xla_backend_optimization_level)
+    compiler_options: tuple[tuple[str, Any], ...] = ()
     seed: int = 0
 
     def __post_init__(self):
@@ -80,8 +83,40 @@ class EngineConfig:
         C.boolean(f("enable_prefix_caching"), self.enable_prefix_caching)
         C.integer(f("num_scheduler_steps"), self.num_scheduler_steps, 1, 1024)
         C.boolean(f("small_row_tiles"), self.small_row_tiles)
+        object.__setattr__(self, "compiler_options",
+                           compiler_options(f("compiler_options"), self.compiler_options))
         C.integer(f("seed"), self.seed, 0, 2**64 - 1, allowed="an int in [0, 2**64)")
 
+
+
+def compiler_options(field: str, options) -> tuple[tuple[str, Any], ...]:
+    """``options`` (a dict or (name, value) pairs of XLA compile options: DebugOptions fields
+    such as ``xla_gpu_autotune_level`` or ``xla_backend_optimization_level``) as sorted pairs;
+    each is tried on a trivial program of the default backend, so a name XLA does not know or a
+    value of the wrong kind is a ValueError naming the field before anything runs. XLA:CPU keeps
+    IEEE semantics at every optimization level, so the levels give the same bits there."""
+    if options is None:
+        return ()
+    pairs = options.items() if isinstance(options, dict) else options
+    try:
+        pairs = tuple(sorted((k, v) for k, v in pairs))
+    except (TypeError, ValueError):
+        raise C.InvalidType(f"{field} = {options!r}: must be a dict of XLA option names to "
+                            f"values") from None
+    for name, value in pairs:
+        if not isinstance(name, str) or not isinstance(value, (bool, int, float, str)):
+            raise C.InvalidType(f"{field}: {name!r}: {value!r} must map a str to a bool, int, "
+                                f"float or str")
+    if pairs and pairs not in _TRIED:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=dict(pairs)).lower(np.int32(0)).compile()
+        except Exception as e:          # XLA's own message names the option
+            raise ValueError(f"{field} = {dict(pairs)!r}: XLA refused them ({e})") from None
+        _TRIED.add(pairs)
+    return pairs
+
+
+_TRIED: set = set()       # options a trivial program compiled with
 
 
 def _max_len(cfg: ModelConfig, config: EngineConfig) -> int:

@@ -48,10 +48,11 @@ class Programs:
     max_rounds: int             # the rounds a call of ``round`` may run (its read-back's width)
 
 
-def _jit(fn, donate: tuple[str, ...], **static) -> Callable:
-    """A fresh jitted closure of ``fn`` (a jitted function's Python body) over ``static``."""
+def _jit(fn, donate: tuple[str, ...], options: tuple = (), **static) -> Callable:
+    """A fresh jitted closure of ``fn`` (a jitted function's Python body) over ``static``,
+    compiled with the XLA ``options`` (``EngineConfig.compiler_options``)."""
     return jax.jit(functools.partial(getattr(fn, "__wrapped__", fn), **static),
-                   donate_argnames=donate)
+                   donate_argnames=donate, compiler_options=dict(options) or None)
 
 
 def _shapes(tree) -> tuple:
@@ -71,24 +72,26 @@ def _shared(key: tuple, build: Callable[[], Callable]) -> Callable:
 
 def programs_for(engine) -> Programs:
     """The engine's programs, each shared with recent engines that agree on what that program
-    is specialised on, and nothing more (its ``RunConfig``, the rounds a call may run, and the
-    shapes and dtypes of the arrays it carries; the batch's shapes are keyed by jit itself)."""
+    is specialised on, and nothing more (its ``RunConfig``, the rounds a call may run, the
+    shapes and dtypes of the arrays it carries, and the XLA options it is compiled with; the
+    batch's shapes are keyed by jit itself)."""
     run, spec = engine.run.of_device(), engine.spec
     target = _shapes((engine.weights, engine.state))
     draft = None if spec is None else _shapes((spec.draft_weights, spec.draft_cache))
-    steps = engine.config.num_scheduler_steps
+    steps, opts = engine.config.num_scheduler_steps, engine.config.compiler_options
     progs = dict(
-        write_history=_shared(("write_history", _shapes(engine.state)),
-                              lambda: _jit(step.write_history, ("state",))),
-        update_slots=_shared(("update_slots", _shapes(engine.state)),
-                             lambda: _jit(step.update_slots, ("state",))),
+        write_history=_shared(("write_history", _shapes(engine.state), opts),
+                              lambda: _jit(step.write_history, ("state",), opts)),
+        update_slots=_shared(("update_slots", _shapes(engine.state), opts),
+                             lambda: _jit(step.update_slots, ("state",), opts)),
         forget=None, max_rounds=steps)
     if spec is not None and spec.head_cfg is not None:
-        progs["forget"] = _shared(("forget", draft), lambda: _jit(eagle.forget, ("state",)))
+        progs["forget"] = _shared(("forget", draft, opts),
+                                  lambda: _jit(eagle.forget, ("state",), opts))
     for name, logprobs in (("round", False), ("round_logprobs", True)):
         progs[name] = _shared(
-            ("round", run, steps, logprobs, target, draft),
-            lambda logprobs=logprobs: _jit(rounds.call, ("state", "draft_cache"), run=run,
+            ("round", run, steps, logprobs, target, draft, opts),
+            lambda logprobs=logprobs: _jit(rounds.call, ("state", "draft_cache"), opts, run=run,
                                            max_rounds=steps, with_logprobs=logprobs))
     return Programs(**progs)
 
