@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
+from engine_checks import RUNS_LONG
 from pallas_kernels import matmul as MM
 
 K, U, W = 64, 8, 24          # the tiny model's q projection: 64 -> 8 blocks of 24
@@ -211,8 +212,9 @@ def test_engine_with_the_kernel_is_exact(tiny_folder, dtype, monkeypatch):
                                    ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.3,
                                    logit_bias={5: 2.0, 9: -3.0}, logprobs=2)
     # the sampler's row kernels too: every logit row of a call at once, as on an accelerator
+    # the interpreted kernels are ops XLA:CPU generates code for: they run faster at -O2
     geometry = dict(dtype=dtype, matmul="interpret", sampler="interpret", max_num_seqs=32,
-                    max_model_len=32)
+                    max_model_len=32, compiler_options=RUNS_LONG)
     ids = lambda outs: [o.outputs[0].token_ids for o in outs]
     plain = LLM(tiny_folder, **geometry)
     batch = ids(plain.generate(prompts, params, use_tqdm=False))

@@ -179,6 +179,7 @@ class Engine:
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
         self._shapes: set[tuple] = set()               # the buckets its calls have run in
         self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
+        self._idle = None                              # the host round's slot rows (_run_host)
         self.requests: dict[str, Request] = {}
         self._held: dict[str, RequestOutput] = {}      # outputs for the next step
         self._plan, self._dispatched = [], False
@@ -673,10 +674,11 @@ class Engine:
 
     def _run_host(self, batch: StepBatch, sb):
         """The host's round (``batch``, and a speculating engine's ``sb``): (drawn, verified)."""
-        s = self.config.max_num_seqs
-        zeros = np.zeros(s, np.int32)
-        idle = (zeros, zeros, zeros, np.zeros(s, bool), zeros, zeros)
-        return self._call(batch, sb, idle, 1, False, True, False)[2:]
+        if self._idle is None:          # no slot is the device's; built once (not donated)
+            s = self.config.max_num_seqs
+            zeros = np.zeros(s, np.int32)
+            self._idle = (zeros, zeros, zeros, np.zeros(s, bool), zeros, zeros)
+        return self._call(batch, sb, self._idle, 1, False, True, False)[2:]
 
     def _call(self, batch, sb, slot_rows, num_rounds, until_one_ends, from_host, with_logprobs):
         spec = self.spec

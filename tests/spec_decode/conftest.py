@@ -69,18 +69,21 @@ def plain_llm(tiny_folder):
 
 @pytest.fixture(scope="session")
 def spec_llm(tiny_folder, drafts):
-    """``spec_llm(draft="near", k=3, method="draft_model", block_size=16, folder=None, **spec)``:
-    one engine per distinct argument set for the whole session."""
+    """``spec_llm(draft="near", k=3, method="draft_model", block_size=16, folder=None,
+    compiler_options=None, **spec)``: one engine per distinct argument set for the whole
+    session."""
     built = {}
 
-    def make(draft="near", k=3, method="draft_model", block_size=16, folder=None, **spec):
-        key = (draft, k, method, block_size, folder, tuple(sorted(spec.items())))
+    def make(draft="near", k=3, method="draft_model", block_size=16, folder=None,
+             compiler_options=None, **spec):
+        options = tuple(sorted((compiler_options or {}).items()))
+        key = (draft, k, method, block_size, folder, options, tuple(sorted(spec.items())))
         if key not in built:
             config = {"method": method, "num_speculative_tokens": k, **spec}
             if method == "draft_model":
                 config["model"] = drafts[draft]
             built[key] = LLM(folder or tiny_folder, block_size=block_size, speculative_config=config,
-                             **GEOMETRY)
+                             compiler_options=compiler_options, **GEOMETRY)
         return built[key]
 
     return make

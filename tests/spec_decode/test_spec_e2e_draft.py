@@ -3,6 +3,7 @@ a near copy, another seed, a larger model), k at every row-tile boundary and 63,
 
 import pytest
 
+from engine_checks import RUNS_LONG
 from sfjax import SamplingParams
 from spec_util import (BATCH8_SEED, MAX_MODEL_LEN, SHORT, assert_same_outputs, delta, greedy,
                        one_by_one, prompts, run, sampled, spec_counters)
@@ -127,7 +128,7 @@ def test_k_63_equals_plain_at_batch_1(spec_llm, plain_llm):
     params = [greedy(max_tokens)] + sampled(2, max_tokens, seed=63)
     ref = one_by_one(plain_llm, SHORT, params)
     for draft in ("same", "near"):
-        llm = spec_llm(draft, 63)
+        llm = spec_llm(draft, 63, compiler_options=RUNS_LONG)       # 64 rows a round
         before = spec_counters(llm)
         assert_same_outputs(one_by_one(llm, SHORT, params), ref)
         d = delta(before, spec_counters(llm))
