@@ -12,27 +12,27 @@ from sfjax import benchmark as B
 from sfjax.default_model import default_speculative_config
 
 
+def _json_object(flag: str, text: str | None, example: str, default=None):
+    """A flag's JSON object (``default`` when the flag is not given); a ValueError naming the
+    flag otherwise."""
+    if not text:
+        return default
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{example}'")
+    return value
+
+
 def _llm(args, default_spec: dict | None = None):
     from sfjax import LLM
 
-    spec = default_spec
-    if args.speculative_config:
-        try:
-            spec = json.loads(args.speculative_config)
-        except ValueError as e:
-            raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
-    if spec is not None and not isinstance(spec, dict):
-        raise ValueError("--speculative-config must be a JSON object, e.g. "
-                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
-    options = None
-    if args.compiler_options:
-        try:
-            options = json.loads(args.compiler_options)
-        except ValueError as e:
-            raise ValueError(f"--compiler-options is not valid JSON ({e})") from None
-        if not isinstance(options, dict):
-            raise ValueError("--compiler-options must be a JSON object, e.g. "
-                             "'{\"xla_gpu_autotune_level\": 0}'")
+    spec = _json_object("--speculative-config", args.speculative_config,
+                        '{"method": "ngram", "num_speculative_tokens": 4}', default_spec)
+    options = _json_object("--compiler-options", args.compiler_options,
+                           '{"xla_gpu_autotune_level": 0}')
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed or 0,
                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
