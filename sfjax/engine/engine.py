@@ -88,7 +88,6 @@ class EngineConfig:
         C.integer(f("seed"), self.seed, 0, 2**64 - 1, allowed="an int in [0, 2**64)")
 
 
-
 def compiler_options(field: str, options) -> tuple[tuple[str, Any], ...]:
     """``options`` (a dict or (name, value) pairs of XLA compile options: DebugOptions fields
     such as ``xla_gpu_autotune_level`` or ``xla_backend_optimization_level``) as sorted pairs;
