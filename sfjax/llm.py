@@ -61,9 +61,9 @@ class LLM:
     serves max_num_seqs / dp slots from its own num_kv_blocks / dp KV pages; ``kv_cache_bytes``
     caps the default cache's pages per device. ``compiler_options`` (a dict of XLA options, e.g.
     ``{"xla_gpu_autotune_level": 0}``) go to every program the engine compiles. Bad input raises
-    ValueError naming the problem before anything runs: for ``generate``, every prompt and its SamplingParams are
-    checked first, and if one is refused nothing of the call is enqueued, so no request is
-    half-run or lost; requests already in the engine carry on.
+    ValueError naming the problem before anything runs: for ``generate``, every prompt and its
+    SamplingParams are checked first, and if one is refused nothing of the call is enqueued, so
+    no request is half-run or lost; requests already in the engine carry on.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, tokenizer: str | None = None,
