@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -18,14 +19,37 @@ from sfjax.config import ModelConfig
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class Progress:
+    """Per slot, where the rounds the device lays out start from (the engine's ``rounds.call``);
+    int32 [max_seqs] each (``live`` bool). The device advances the live slots' rows itself; the
+    host sends a slot's row only when it differs from what the device holds
+    (``sfjax.engine.slots``): an admission, an end, a round the host laid out."""
+    prompt_len: jax.Array
+    length: jax.Array        # prompt + output tokens so far
+    last: jax.Array          # the newest token (drawn, not yet fed)
+    live: jax.Array          # bool: the device lays out this slot's rows
+    drafted: jax.Array       # the request's draft tokens so far (adaptive_k reads them)
+    accepted: jax.Array      # its accepted drafts so far
+
+    @classmethod
+    def zeros(cls, num_slots: int, xp=np) -> "Progress":
+        z = lambda dtype: xp.zeros(num_slots, dtype)
+        return cls(prompt_len=z(np.int32), length=z(np.int32), last=z(np.int32), live=z(bool),
+                   drafted=z(np.int32), accepted=z(np.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class DeviceState:
     """What lives on the device between steps (donated through each step): the KV pages and,
-    per slot, its tokens, its block table and its request's sampling settings. The host sends
-    only what changed (``update_slots``; ``sfjax.engine.slots``)."""
+    per slot, its tokens, its block table, its request's sampling settings and its progress
+    (the engine's; None in ``sfjax.functional``, whose ``State`` holds it). The host sends only
+    what changed (``update_slots``; ``sfjax.engine.slots``)."""
     cache: KVCache
     history: jax.Array       # int32 [max_seqs, max_model_len]: each slot's tokens by position
     block_tables: jax.Array  # int32 [max_seqs, max_blocks]: each slot's pages
     table: sampling.Sampling  # [max_seqs] each slot's request's sampling settings
+    progress: Progress | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -72,10 +96,12 @@ def write_history(state: DeviceState, slot, row, n) -> DeviceState:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def update_slots(state: DeviceState, slots, block_rows, table_rows: sampling.Sampling) -> DeviceState:
-    """Sets the block table and sampling rows of ``slots`` (int32 [U]; an index past the last
-    slot is padding, dropped) to ``block_rows`` [U, max_blocks] and ``table_rows`` [U].
-    DONATES ``state``."""
+def update_slots(state: DeviceState, slots, block_rows, table_rows: sampling.Sampling,
+                 progress_rows: Progress) -> DeviceState:
+    """Sets the block table, sampling and progress rows of ``slots`` (int32 [U]; an index past
+    the last slot is padding, dropped) to ``block_rows`` [U, max_blocks], ``table_rows`` [U] and
+    ``progress_rows`` [U]. DONATES ``state``."""
     put = lambda x, rows: x.at[slots].set(rows, mode="drop")
     return dataclasses.replace(state, block_tables=put(state.block_tables, block_rows),
-                               table=jax.tree.map(put, state.table, table_rows))
+                               table=jax.tree.map(put, state.table, table_rows),
+                               progress=jax.tree.map(put, state.progress, progress_rows))

@@ -122,9 +122,13 @@ def test_max_model_len_ends_with_length(llm):
 
 
 def _device_rows_follow_the_host(eng):
-    """The live slots' block tables and sampling rows on the device are the host's, bit for bit."""
+    """The live slots' block tables and sampling rows on the device are the host's, bit for bit,
+    and every slot's progress is the host's record of it (``SlotSync.progress``)."""
     running = eng.scheduler.running
-    tables, table = jax.device_get((eng.state.block_tables, eng.state.table))
+    tables, table, progress = jax.device_get((eng.state.block_tables, eng.state.table,
+                                              eng.state.progress))
+    for got, want in zip(jax.tree.leaves(progress), jax.tree.leaves(eng.slots.progress)):
+        assert got.tobytes() == want.tobytes()
     widths = (table.stop_ids.shape[1], table.bias.shape[1], table.allowed.shape[1])
     fresh = eng.batches.table(running, widths=widths)
     for req in running:
@@ -172,6 +176,30 @@ def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
             assert got == plain[i]
         assert jax.device_get(eng.state.table.bias).shape[1] == sampling.MIN_LIST_WIDTHS[1]
         assert jax.device_get(eng.state.table.allowed).shape[1] == sampling.MIN_LIST_WIDTHS[2]
+    finally:
+        eng.programs = dataclasses.replace(eng.programs, update_slots=update)
+
+
+def test_decoding_on_the_device_sends_nothing_between_calls(llm):
+    """A request decoding in device rounds whose pages do not change sends no slot row: the
+    device advances its progress (length, newest token, counters) itself. Its tokens are the
+    one-step-per-call engine's (``test_rounds``); here, the traffic: the prefill call sends the
+    admission, the first call of rounds the slot's progress, and the next call nothing."""
+    eng = llm.engine
+    sent, update = [], eng.programs.update_slots
+    eng.programs = dataclasses.replace(
+        eng.programs, update_slots=lambda state, slots, *rows: sent.append(slots) or update(
+            state, slots, *rows))
+    try:       # 2 + 14 tokens: one 16-token block; a prefill call, then rounds of 8 and of 6
+        eng.add_request("one", {"prompt_token_ids": [5, 9]},
+                        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+        calls = []
+        while eng.has_unfinished_requests():
+            before = len(sent)
+            eng.step()
+            calls.append(len(sent) - before)
+            _device_rows_follow_the_host(eng)
+        assert calls == [1, 1, 0]
     finally:
         eng.programs = dataclasses.replace(eng.programs, update_slots=update)
 

@@ -55,11 +55,8 @@ def precompile(engine, progress: bool = True) -> float:
                               disable=not progress, dynamic_ncols=True):
         if kind == "round":
             engine._run_host(*engine._padding((n, r, d or None)))
-        elif kind == "logprobs":             # no live slot: the loop ends before a round
-            s = engine.config.max_num_seqs
-            zeros = np.zeros(s, np.int32)
-            engine._run_rounds((n, r, d), (zeros, zeros, zeros, np.zeros(s, bool), zeros, zeros),
-                               0, with_logprobs=True)
+        elif kind == "logprobs":             # no rounds: the loop ends before one
+            engine._run_rounds((n, r, d), None, 0, with_logprobs=True)
         elif kind == "slots":                # updates of the device's slot rows
             engine.state = engine.programs.update_slots(engine.state, *engine.slots.padding(n))
         elif kind == "history":              # nothing written: positions < 0

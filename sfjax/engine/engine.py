@@ -37,7 +37,7 @@ from sfjax.engine.slots import SlotSync
 from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
-from sfjax.step import DeviceState, StepBatch
+from sfjax.step import DeviceState, Progress, StepBatch
 from sfjax.tokenizer import IncrementalDetokenizer
 from sfjax.weights import Weights
 
@@ -178,7 +178,6 @@ class Engine:
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
         self._shapes: set[tuple] = set()               # the buckets its calls have run in
         self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
-        self._idle = None                              # the host round's slot rows (_run_host)
         self.requests: dict[str, Request] = {}
         self._held: dict[str, RequestOutput] = {}      # outputs for the next step
         self._plan, self._dispatched = [], False
@@ -190,13 +189,14 @@ class Engine:
         self._log_cache(per_block)
 
     def _initial_state(self) -> DeviceState:
-        """The device state of an idle engine: an empty cache and history, the slot tables."""
+        """The device state of an idle engine: an empty cache and history, the slot tables, no
+        slot's progress."""
         c = self.config
-        block_tables, table = self.slots.initial()
+        block_tables, table, progress = self.slots.initial()
         return DeviceState(
             cache=KVCache.zeros(self.cfg, c.num_kv_blocks, c.block_size, mesh=self.mesh),
             history=sharding.zeros((c.max_num_seqs, c.max_model_len), jnp.int32, P(), self.mesh),
-            block_tables=block_tables, table=table)
+            block_tables=block_tables, table=table, progress=progress)
 
     def _log_cache(self, per_block: int) -> None:
         c, dp = self.config, self.dp
@@ -549,24 +549,27 @@ class Engine:
         return r
 
     def _rounds_step(self, plan: list[Scheduled], num_rounds: int) -> list[RequestOutput]:
-        n_slots = self.config.max_num_seqs
         reqs = [s.request for s in plan]
-        prompt_len, length, last, so_far, kept = (np.zeros(n_slots, np.int32) for _ in range(5))
-        live = np.zeros(n_slots, bool)
+        progress = Progress.zeros(self.config.max_num_seqs)      # every other slot: not live
         for req in reqs:
-            prompt_len[req.slot], length[req.slot], live[req.slot] = (
+            at = req.slot
+            progress.prompt_len[at], progress.length[at], progress.live[at] = (
                 len(req.prompt_token_ids), req.num_tokens, True)
-            last[req.slot] = req.output_token_ids[-1]
+            progress.last[at] = req.output_token_ids[-1]
             if req.spec_metrics is not None:            # adaptive_k reads them
-                so_far[req.slot] = req.spec_metrics.num_draft_tokens
-                kept[req.slot] = req.spec_metrics.num_accepted_tokens
+                progress.drafted[at] = req.spec_metrics.num_draft_tokens
+                progress.accepted[at] = req.spec_metrics.num_accepted_tokens
         with_logprobs = any(req.params.logprobs is not None for req in reqs)
-        out, logprobs = self._run_rounds(self._rounds_shape(reqs, with_logprobs), (
-            prompt_len, length, last, live, so_far, kept), num_rounds,
-            bool(self.scheduler.waiting), with_logprobs)
+        out, logprobs = self._run_rounds(self._rounds_shape(reqs, with_logprobs), progress,
+                                         num_rounds, bool(self.scheduler.waiting), with_logprobs)
         n, tokens, new_len, drafted, accepted = rounds.unpack(np.asarray(out),
                                                               self.programs.max_rounds)
         logprobs = None if logprobs is None else np.asarray(logprobs)
+        at = np.flatnonzero(progress.live)
+        grew = new_len[at] - progress.length[at]
+        self.slots.advanced(at, new_len[at], np.where(
+            grew > 0, tokens[at, np.maximum(grew - 1, 0)], progress.last[at]),
+            drafted[:n, at].sum(0), accepted[:n, at].sum(0))
         self.stats["steps"] += n - 1                        # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
@@ -603,10 +606,12 @@ class Engine:
                     m.add(d, a)
         return self.outputs.output(req, new_token_ids=new)
 
-    def _sync(self) -> None:
-        """Sends the slot rows that changed since the last call (``engine.slots``), then marks
-        the call dispatched: a failure from here on is the device call's."""
-        self.state = self.slots.sync(self.state, self.scheduler.running, self.programs.update_slots)
+    def _sync(self, progress=None) -> None:
+        """Sends the slot rows that changed since the last call (``engine.slots``; with
+        ``progress``, a call of device rounds, its slots' progress too), then marks the call
+        dispatched: a failure from here on is the device call's."""
+        self.state = self.slots.sync(self.state, self.scheduler.running,
+                                     self.programs.update_slots, progress)
         self._dispatched = True
 
     def _fit(self, shape: tuple) -> tuple:
@@ -663,29 +668,26 @@ class Engine:
                 [], {}, {}, ([], [], [], {}), s, na, r - s * k1, k1)
         return self._pads[shape]
 
-    def _run_rounds(self, shape: tuple, slot_rows: tuple, num_rounds: int,
-                    until_one_ends: bool = False, with_logprobs: bool = False):
-        """Device rounds (``rounds.call``) for the slots of ``slot_rows`` (prompt_len, length,
-        last, live, drafted, accepted), in ``shape``: (out, logprobs)."""
-        out, logprobs, _, _ = self._call(*self._padding(shape), slot_rows, num_rounds,
+    def _run_rounds(self, shape: tuple, progress, num_rounds: int, until_one_ends: bool = False,
+                    with_logprobs: bool = False):
+        """Device rounds (``rounds.call``) for the live slots of ``progress`` (a numpy
+        ``step.Progress`` of every slot, sent where it differs from the device's; None: the
+        device's as it is), in ``shape``: (out, logprobs)."""
+        out, logprobs, _, _ = self._call(*self._padding(shape), progress, num_rounds,
                                          until_one_ends, False, with_logprobs)
         return out, logprobs
 
     def _run_host(self, batch: StepBatch, sb):
         """The host's round (``batch``, and a speculating engine's ``sb``): (drawn, verified)."""
-        if self._idle is None:          # no slot is the device's; built once (not donated)
-            s = self.config.max_num_seqs
-            zeros = np.zeros(s, np.int32)
-            self._idle = (zeros, zeros, zeros, np.zeros(s, bool), zeros, zeros)
-        return self._call(batch, sb, self._idle, 1, False, True, False)[2:]
+        return self._call(batch, sb, None, 1, False, True, False)[2:]
 
-    def _call(self, batch, sb, slot_rows, num_rounds, until_one_ends, from_host, with_logprobs):
+    def _call(self, batch, sb, progress, num_rounds, until_one_ends, from_host, with_logprobs):
         spec = self.spec
-        self._sync()
+        self._sync(progress)
         program = self.programs.round_logprobs if with_logprobs else self.programs.round
         self.state, draft_cache, *out = program(
             self.weights, spec.draft_weights if spec else None, self.state,
-            spec.draft_cache if spec else None, batch, sb, *slot_rows, np.int32(num_rounds),
+            spec.draft_cache if spec else None, batch, sb, np.int32(num_rounds),
             np.bool_(until_one_ends), np.bool_(from_host))
         if spec:
             spec.draft_cache = draft_cache

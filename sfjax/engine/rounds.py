@@ -56,23 +56,24 @@ def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
 @functools.partial(jax.jit, static_argnames=("run", "max_rounds", "with_logprobs"),
                    donate_argnames=("state", "draft_cache"))
 def call(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
-         batch: StepBatch, spec: SpecBatch | None, prompt_len, length, last, live, drafted,
-         accepted, num_rounds, until_one_ends, from_host, *, run: RunConfig, max_rounds: int,
-         with_logprobs: bool = False):
+         batch: StepBatch, spec: SpecBatch | None, num_rounds, until_one_ends, from_host, *,
+         run: RunConfig, max_rounds: int, with_logprobs: bool = False):
     """The engine's one program: a call of one round laid out by the host, or of up to
-    ``num_rounds`` rounds the device lays out for the ``live`` slots, in the host batch's shapes
+    ``num_rounds`` rounds the device lays out for the slots its progress marks live
+    (``state.progress``, a ``step.Progress``), in the host batch's shapes
     (``functional.run_rounds``), with the state's block tables and sampling table. DONATES
     ``state`` and ``draft_cache``.
 
     ``from_host``: run ``batch`` (and ``spec``, a speculating engine's) as the call's one round
-    (``live`` all False); the host reads its drawn rows and ``Verified``. Otherwise ``batch`` and
+    (no slot live); the host reads its drawn rows and ``Verified``. Otherwise ``batch`` and
     ``spec`` are padding of the bucket the rounds run in (one the engine has compiled, whose
     shapes hold every live slot's rows), and ``until_one_ends``: return once any request ends
-    (others wait for its slot). ``last`` is each slot's newest token (drawn, not yet fed: the
-    engine's history records tokens as they are fed; the rounds read a row's input token from
-    the history). ``drafted`` and ``accepted``: each slot's request's draft tokens and accepted
-    drafts so far (adaptive_k reads them). ``with_logprobs`` (static: a program of its own, so
-    the rounds without it compute and carry nothing more): record each new token's raw logprobs.
+    (others wait for its slot). A live slot's progress gives its prompt length, its length and
+    newest token (drawn, not yet fed: the engine's history records tokens as they are fed; the
+    rounds read a row's input token from the history), and its request's drafts and accepted
+    drafts so far (adaptive_k reads them); the call advances them. ``with_logprobs`` (static: a
+    program of its own, so the rounds without it compute and carry nothing more): record each
+    new token's raw logprobs.
 
     Returns (state, draft cache, out, logprobs, drawn, verified). ``out``, int32 [slots, 2 + W +
     2 * max_rounds]: per slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens
@@ -81,13 +82,16 @@ def call(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None
     int32 [slots, 2, W, 21] with ``with_logprobs`` (else None): per token its rank and top-20
     ids, then (as float32 bits) its logprob and the top 20 (``unpack_logprobs``). ``drawn`` and
     ``verified``: the last round's (``round.round_step``'s), the host's with ``from_host``."""
+    p = state.progress
+    live = p.live & ~from_host
+    length = p.length
     zeros = jnp.zeros_like(length)
     slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
-    history = state.history.at[slots, length - 1].set(last, mode="drop")
+    history = state.history.at[slots, length - 1].set(p.last, mode="drop")
     st = F.State(cache=state.cache, draft_cache=draft_cache, history=history,
-                 block_tables=state.block_tables, prompt_len=prompt_len, length=length,
-                 done=~live, sampling=state.table, num_drafts=zeros, num_draft_tokens=drafted,
-                 num_accepted_tokens=accepted)
+                 block_tables=state.block_tables, prompt_len=p.prompt_len, length=length,
+                 done=~live, sampling=state.table, num_drafts=zeros, num_draft_tokens=p.drafted,
+                 num_accepted_tokens=p.accepted)
     st, n, drafted, accepted, ids, vals, drawn, verified = F.run_rounds(
         weights, draft_weights, st, run, num_rounds, max_rounds, until_one_ends, with_logprobs,
         (batch, spec), from_host)
@@ -98,8 +102,13 @@ def call(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None
                            drafted.T, accepted.T], axis=1)
     logprobs = (jnp.stack([ids, lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
                 if with_logprobs else None)
-    return (dataclasses.replace(state, cache=st.cache, history=st.history), st.draft_cache, out,
-            logprobs, drawn, verified)
+    newest = jnp.take_along_axis(st.history, jnp.maximum(st.length - 1, 0)[:, None], axis=1)[:, 0]
+    ran = lambda new, old: jnp.where(live, new, old)
+    progress = dataclasses.replace(p, length=ran(st.length, length), last=ran(newest, p.last),
+                                   drafted=ran(st.num_draft_tokens, p.drafted),
+                                   accepted=ran(st.num_accepted_tokens, p.accepted))
+    return (dataclasses.replace(state, cache=st.cache, history=st.history, progress=progress),
+            st.draft_cache, out, logprobs, drawn, verified)
 
 
 def unpack(out, max_rounds: int):

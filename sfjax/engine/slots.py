@@ -1,12 +1,16 @@
 """The slot state the device keeps between calls, and the host's record of what it holds.
 
-Each slot's block table row and its request's sampling settings live in ``step.DeviceState``
-(``block_tables``, ``table``) from call to call. The scheduler edits the host's block tables in
-place; before each device call ``SlotSync.sync`` sends the rows of the slots whose pages or
-request changed since the last (one small donated program, ``step.update_slots``, over a
-bucket of at least 8 slots, ``rows_for``), and nothing when none did. A freed slot's block row
-follows the host's (cleared) like any other; its sampling row stays until the next request takes
-the slot: nothing reads a free slot's settings (a row of a free slot is padding).
+Each slot's block table row, its request's sampling settings and its progress (``step.Progress``:
+length, newest token, counters, whether the device lays out its rows) live in
+``step.DeviceState`` from call to call. The scheduler edits the host's block tables in place;
+before each device call ``SlotSync.sync`` sends the rows of the slots whose pages, request or
+progress changed since the last (one small donated program, ``step.update_slots``, over a bucket
+of at least 8 slots, ``rows_for``), and nothing when none did. The device advances the progress
+of the slots it runs rounds for, and the host's record follows from what it reads back
+(``advanced``): while every request decodes on the device, calls send nothing but their
+scalars. A freed slot's block row follows the host's (cleared) like any other; its sampling row
+stays until the next request takes the slot: nothing reads a free slot's settings (a row of a
+free slot is padding).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from sfjax import sampling, sharding
 from sfjax.rows import bucket
+from sfjax.step import Progress
 
 
 def rows_for(changed: int, num_slots: int) -> int:
@@ -45,17 +50,19 @@ class SlotSync:
         self._sent = np.zeros_like(block_tables)              # the device's block tables
         self._held: list = [None] * block_tables.shape[0]     # whose settings each slot holds
         self._widths = widths([])                             # the device table's list widths
+        self.progress = Progress.zeros(block_tables.shape[0])  # the device's progress rows
 
-    def padding(self, u: int) -> tuple[np.ndarray, np.ndarray, sampling.Sampling]:
+    def padding(self, u: int) -> tuple[np.ndarray, np.ndarray, sampling.Sampling, Progress]:
         """An update of ``u`` padding rows (it changes nothing; ``precompile`` runs it)."""
         n = self.block_tables.shape[0]
         return (np.full(u, n, np.int32), np.zeros((u, self.block_tables.shape[1]), np.int32),
-                self._table([], [], u, self._widths))
+                self._table([], [], u, self._widths), Progress.zeros(u))
 
-    def initial(self) -> tuple[jax.Array, sampling.Sampling]:
-        """The device's block tables and sampling table before any request: zeros, inert."""
+    def initial(self) -> tuple[jax.Array, sampling.Sampling, Progress]:
+        """The device's block tables, sampling table and progress before any request: zeros,
+        inert."""
         n = self.block_tables.shape[0]
-        return self._place((self._sent, self._table([], [], n, self._widths)))
+        return self._place((self._sent, self._table([], [], n, self._widths), self.progress))
 
     def _place(self, tree):
         """``tree`` on the device, or whole on every device of the mesh (each process placing
@@ -64,8 +71,9 @@ class SlotSync:
             return jax.device_put(tree)
         return sharding.put(tree, jax.tree.map(lambda _: P(), tree), self.mesh)
 
-    def sync(self, state, running, update: Callable):
-        """``state`` with the slots of ``running`` (requests holding slots) current; ``update``
+    def sync(self, state, running, update: Callable, progress: Progress | None = None):
+        """``state`` with the slots of ``running`` (requests holding slots) current, and with
+        ``progress`` (numpy rows of every slot) if given, else the progress as it is; ``update``
         is the engine's ``step.update_slots``. A change of the id lists' widths (a request
         needing longer lists arrived, or the last that did left) sends the whole table."""
         n = len(self._held)
@@ -78,8 +86,13 @@ class SlotSync:
             table = self._table([now[s] for s in live], live, n, widths)
             state = dataclasses.replace(state, table=self._place(table))
             self._held, self._widths = now, widths
-        dirty = np.flatnonzero((self.block_tables != self._sent).any(axis=1)
-                               | np.array([a is not b for a, b in zip(now, self._held)]))
+        changed = ((self.block_tables != self._sent).any(axis=1)
+                   | np.array([a is not b for a, b in zip(now, self._held)]))
+        if progress is not None:
+            for want, have in zip(jax.tree.leaves(progress), jax.tree.leaves(self.progress)):
+                changed |= want != have
+            self.progress = jax.tree.map(np.copy, progress)
+        dirty = np.flatnonzero(changed)
         if dirty.size == 0:
             return state
         u = rows_for(dirty.size, n)
@@ -89,8 +102,17 @@ class SlotSync:
         blocks[:dirty.size] = self.block_tables[dirty]
         held = [(i, now[s]) for i, s in enumerate(dirty) if now[s] is not None]
         rows = self._table([r for _, r in held], [i for i, _ in held], u, self._widths)
-        state = update(state, slots, blocks, rows)
+        pad = np.concatenate([dirty, np.zeros(u - dirty.size, dirty.dtype)])
+        state = update(state, slots, blocks, rows, jax.tree.map(lambda x: x[pad], self.progress))
         self._sent[dirty] = self.block_tables[dirty]
         for s in dirty:
             self._held[s] = now[s]
         return state
+
+    def advanced(self, slots, length, last, drafted, accepted) -> None:
+        """Records what a call of device rounds left in the progress of ``slots``: their new
+        lengths and newest tokens, and the drafts and accepted drafts it added."""
+        p = self.progress
+        p.length[slots], p.last[slots] = length, last
+        p.drafted[slots] += drafted
+        p.accepted[slots] += accepted
