@@ -1,6 +1,8 @@
 """Shared fixtures: a per-run compilation cache, and small HF model folders built from a seed."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # The suite's programs run a few times each and compile hundreds of shapes, so compiling is most
@@ -21,11 +23,21 @@ import pytest
 # module-end clear below drops their executables anyway). The memory test sets its own.
 os.environ.setdefault("SFJAX_PROGRAM_CACHE", "64")
 
-_CACHE_DIR = tempfile.mkdtemp(prefix="sfjax-jit-cache-")
+
+def _scratch(prefix: str) -> str:
+    """A folder of this process's, removed when it exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+_CACHE_DIR = _scratch("sfjax-jit-cache-")
 # Small-tile certificates (sfjax.certificate_cache) go to this run's own folder, not the user's
-# ~/.cache: the run's first probe of a model shape is kept for its later processes (the CLI and
-# multi-device subprocesses inherit the variable), and no earlier run's answer is taken.
-os.environ.setdefault("SFJAX_CACHE_DIR", tempfile.mkdtemp(prefix="sfjax-certificates-"))
+# ~/.cache: the run's first probe of a model shape is kept for its later processes (the workers,
+# the CLI and multi-device subprocesses inherit the variable; the process that made it removes
+# it), and no earlier run's answer is taken.
+if "SFJAX_CACHE_DIR" not in os.environ:
+    os.environ["SFJAX_CACHE_DIR"] = _scratch("sfjax-certificates-")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
