@@ -32,10 +32,14 @@ class Progress:
     accepted: jax.Array      # its accepted drafts so far
 
     @classmethod
-    def zeros(cls, num_slots: int, xp=np) -> "Progress":
-        z = lambda dtype: xp.zeros(num_slots, dtype)
-        return cls(prompt_len=z(np.int32), length=z(np.int32), last=z(np.int32), live=z(bool),
-                   drafted=z(np.int32), accepted=z(np.int32))
+    def of_rows(cls, rows: np.ndarray) -> "Progress":
+        """The progress of int32 rows [U, 6], one column per field in order (the host's form:
+        ``sfjax.engine.slots``)."""
+        return cls(*(rows[:, i].astype(bool if name == "live" else np.int32)
+                     for i, name in enumerate(PROGRESS_FIELDS)))
+
+
+PROGRESS_FIELDS = tuple(f.name for f in dataclasses.fields(Progress))
 
 
 @jax.tree_util.register_dataclass

@@ -12,6 +12,7 @@ import pytest
 from engine_checks import compiles
 from sfjax import LLM, SamplingParams, sampling, toy
 from sfjax.spec import config as spec_config
+from sfjax.step import Progress
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -127,7 +128,8 @@ def _device_rows_follow_the_host(eng):
     running = eng.scheduler.running
     tables, table, progress = jax.device_get((eng.state.block_tables, eng.state.table,
                                               eng.state.progress))
-    for got, want in zip(jax.tree.leaves(progress), jax.tree.leaves(eng.slots.progress)):
+    for got, want in zip(jax.tree.leaves(progress), jax.tree.leaves(
+            Progress.of_rows(eng.slots.progress))):
         assert got.tobytes() == want.tobytes()
     widths = (table.stop_ids.shape[1], table.bias.shape[1], table.allowed.shape[1])
     fresh = eng.batches.table(running, widths=widths)

@@ -33,11 +33,11 @@ from sfjax.sampling_params import SamplingParams
 from sfjax.engine import compile, programs, rounds, speculation
 from sfjax.engine.batch import BatchBuilder, bucket, draft_rows, layout, pack, spec_batch
 from sfjax.engine.output import OutputProcessor
-from sfjax.engine.slots import SlotSync
+from sfjax.engine.slots import LAST, LENGTH, SlotSync
 from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
-from sfjax.step import DeviceState, Progress, StepBatch
+from sfjax.step import DeviceState, StepBatch
 from sfjax.tokenizer import IncrementalDetokenizer
 from sfjax.weights import Weights
 
@@ -550,26 +550,23 @@ class Engine:
 
     def _rounds_step(self, plan: list[Scheduled], num_rounds: int) -> list[RequestOutput]:
         reqs = [s.request for s in plan]
-        progress = Progress.zeros(self.config.max_num_seqs)      # every other slot: not live
-        for req in reqs:
-            at = req.slot
-            progress.prompt_len[at], progress.length[at], progress.live[at] = (
-                len(req.prompt_token_ids), req.num_tokens, True)
-            progress.last[at] = req.output_token_ids[-1]
-            if req.spec_metrics is not None:            # adaptive_k reads them
-                progress.drafted[at] = req.spec_metrics.num_draft_tokens
-                progress.accepted[at] = req.spec_metrics.num_accepted_tokens
+        progress = np.zeros_like(self.slots.progress)        # every other slot: not live
+        for req in reqs:              # its row (slots.PROGRESS_FIELDS); adaptive_k reads drafts
+            m = req.spec_metrics
+            progress[req.slot] = (len(req.prompt_token_ids), req.num_tokens,
+                                  req.output_token_ids[-1], 1, m.num_draft_tokens if m else 0,
+                                  m.num_accepted_tokens if m else 0)
         with_logprobs = any(req.params.logprobs is not None for req in reqs)
         out, logprobs = self._run_rounds(self._rounds_shape(reqs, with_logprobs), progress,
                                          num_rounds, bool(self.scheduler.waiting), with_logprobs)
         n, tokens, new_len, drafted, accepted = rounds.unpack(np.asarray(out),
                                                               self.programs.max_rounds)
         logprobs = None if logprobs is None else np.asarray(logprobs)
-        at = np.flatnonzero(progress.live)
-        grew = new_len[at] - progress.length[at]
-        self.slots.advanced(at, new_len[at], np.where(
-            grew > 0, tokens[at, np.maximum(grew - 1, 0)], progress.last[at]),
-            drafted[:n, at].sum(0), accepted[:n, at].sum(0))
+        for req in reqs:         # what the rounds left on the device (new tokens, counters)
+            at, length = req.slot, int(new_len[req.slot])
+            grew = length - progress[at, LENGTH]
+            self.slots.advanced(at, length, tokens[at, grew - 1] if grew else progress[at, LAST],
+                                drafted[:n, at].sum(), accepted[:n, at].sum())
         self.stats["steps"] += n - 1                        # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
@@ -670,9 +667,9 @@ class Engine:
 
     def _run_rounds(self, shape: tuple, progress, num_rounds: int, until_one_ends: bool = False,
                     with_logprobs: bool = False):
-        """Device rounds (``rounds.call``) for the live slots of ``progress`` (a numpy
-        ``step.Progress`` of every slot, sent where it differs from the device's; None: the
-        device's as it is), in ``shape``: (out, logprobs)."""
+        """Device rounds (``rounds.call``) for the live slots of ``progress`` (every slot's row,
+        as ``SlotSync.progress``, sent where it differs from the device's; None: the device's as
+        it is), in ``shape``: (out, logprobs)."""
         out, logprobs, _, _ = self._call(*self._padding(shape), progress, num_rounds,
                                          until_one_ends, False, with_logprobs)
         return out, logprobs

@@ -25,7 +25,10 @@ from jax.sharding import PartitionSpec as P
 
 from sfjax import sampling, sharding
 from sfjax.rows import bucket
-from sfjax.step import Progress
+from sfjax.step import PROGRESS_FIELDS, Progress
+
+# the columns of the host's progress rows (``SlotSync.progress``)
+PROMPT_LEN, LENGTH, LAST, LIVE, DRAFTED, ACCEPTED = range(len(PROGRESS_FIELDS))
 
 
 def rows_for(changed: int, num_slots: int) -> int:
@@ -50,19 +53,22 @@ class SlotSync:
         self._sent = np.zeros_like(block_tables)              # the device's block tables
         self._held: list = [None] * block_tables.shape[0]     # whose settings each slot holds
         self._widths = widths([])                             # the device table's list widths
-        self.progress = Progress.zeros(block_tables.shape[0])  # the device's progress rows
+        # the device's progress, a row per slot: int32 [slots, 6], Progress's fields in order
+        self.progress = np.zeros((block_tables.shape[0], len(PROGRESS_FIELDS)), np.int32)
 
     def padding(self, u: int) -> tuple[np.ndarray, np.ndarray, sampling.Sampling, Progress]:
         """An update of ``u`` padding rows (it changes nothing; ``precompile`` runs it)."""
         n = self.block_tables.shape[0]
         return (np.full(u, n, np.int32), np.zeros((u, self.block_tables.shape[1]), np.int32),
-                self._table([], [], u, self._widths), Progress.zeros(u))
+                self._table([], [], u, self._widths),
+                Progress.of_rows(np.zeros((u, len(PROGRESS_FIELDS)), np.int32)))
 
     def initial(self) -> tuple[jax.Array, sampling.Sampling, Progress]:
         """The device's block tables, sampling table and progress before any request: zeros,
         inert."""
         n = self.block_tables.shape[0]
-        return self._place((self._sent, self._table([], [], n, self._widths), self.progress))
+        return self._place((self._sent, self._table([], [], n, self._widths),
+                            Progress.of_rows(self.progress)))
 
     def _place(self, tree):
         """``tree`` on the device, or whole on every device of the mesh (each process placing
@@ -71,9 +77,10 @@ class SlotSync:
             return jax.device_put(tree)
         return sharding.put(tree, jax.tree.map(lambda _: P(), tree), self.mesh)
 
-    def sync(self, state, running, update: Callable, progress: Progress | None = None):
+    def sync(self, state, running, update: Callable, progress: np.ndarray | None = None):
         """``state`` with the slots of ``running`` (requests holding slots) current, and with
-        ``progress`` (numpy rows of every slot) if given, else the progress as it is; ``update``
+        ``progress`` (every slot's row, as ``self.progress``) if given, else the progress as it
+        is; ``update``
         is the engine's ``step.update_slots``. A change of the id lists' widths (a request
         needing longer lists arrived, or the last that did left) sends the whole table."""
         n = len(self._held)
@@ -89,9 +96,8 @@ class SlotSync:
         changed = ((self.block_tables != self._sent).any(axis=1)
                    | np.array([a is not b for a, b in zip(now, self._held)]))
         if progress is not None:
-            for want, have in zip(jax.tree.leaves(progress), jax.tree.leaves(self.progress)):
-                changed |= want != have
-            self.progress = jax.tree.map(np.copy, progress)
+            changed |= (progress != self.progress).any(axis=1)
+            self.progress = progress
         dirty = np.flatnonzero(changed)
         if dirty.size == 0:
             return state
@@ -102,17 +108,18 @@ class SlotSync:
         blocks[:dirty.size] = self.block_tables[dirty]
         held = [(i, now[s]) for i, s in enumerate(dirty) if now[s] is not None]
         rows = self._table([r for _, r in held], [i for i, _ in held], u, self._widths)
-        pad = np.concatenate([dirty, np.zeros(u - dirty.size, dirty.dtype)])
-        state = update(state, slots, blocks, rows, jax.tree.map(lambda x: x[pad], self.progress))
+        sent = np.zeros((u, self.progress.shape[1]), np.int32)
+        sent[:dirty.size] = self.progress[dirty]
+        state = update(state, slots, blocks, rows, Progress.of_rows(sent))
         self._sent[dirty] = self.block_tables[dirty]
         for s in dirty:
             self._held[s] = now[s]
         return state
 
-    def advanced(self, slots, length, last, drafted, accepted) -> None:
-        """Records what a call of device rounds left in the progress of ``slots``: their new
-        lengths and newest tokens, and the drafts and accepted drafts it added."""
-        p = self.progress
-        p.length[slots], p.last[slots] = length, last
-        p.drafted[slots] += drafted
-        p.accepted[slots] += accepted
+    def advanced(self, slot: int, length: int, last: int, drafted: int, accepted: int) -> None:
+        """Records what a call of device rounds left in ``slot``'s progress: its new length and
+        newest token, and the drafts and accepted drafts it added."""
+        row = self.progress[slot]
+        row[LENGTH], row[LAST] = length, last
+        row[DRAFTED] += drafted
+        row[ACCEPTED] += accepted
