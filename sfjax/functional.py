@@ -433,20 +433,11 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
         i, st, drafted, accepted, ids, vals, _ = c
         (new, report), out = one(i, st)
         if with_logprobs:
-            ids, vals = record(st, new, report, ids, vals)
+            ids, vals = _record(report, st.length - state.length, new.length - st.length, ids,
+                                vals)
         return (i + 1, new, drafted.at[i].set(new.num_draft_tokens - st.num_draft_tokens),
                 accepted.at[i].set(new.num_accepted_tokens - st.num_accepted_tokens), ids, vals,
                 out)
-
-    def record(st, new, report, ids, vals):
-        lp, rank, top_ids, top_lps = report
-        j = jnp.arange(k1)[None, :]
-        at = jnp.where(j < (new.length - st.length)[:, None],
-                       st.length[:, None] - state.length[:, None] + j, width)   # [B, K1]
-        rows = jnp.arange(b)[:, None]
-        ids = ids.at[rows, at].set(jnp.concatenate([rank[..., None], top_ids], -1), mode="drop")
-        vals = vals.at[rows, at].set(jnp.concatenate([lp[..., None], top_lps], -1), mode="drop")
-        return ids, vals
 
     # the last round's drawn rows and Verified start as zeros of their shapes
     last = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
@@ -459,6 +450,19 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     n, state, drafted, accepted, ids, vals, last = lax.while_loop(
         more, body, (jnp.int32(0), state, rec, rec, ids, vals, last))
     return (state, n, drafted, accepted) + ((ids, vals) if with_logprobs else (None, None)) + last
+
+
+def _record(report, start, emitted, ids, vals):
+    """``run_rounds``' logprob record with a round's ``report`` (``_round_reported``'s, [B, K1]
+    per row) written at each row's ``start`` (its tokens so far in the call) for the ``emitted``
+    tokens it took; the rest dropped."""
+    lp, rank, top_ids, top_lps = report
+    j = jnp.arange(lp.shape[1])[None, :]
+    at = jnp.where(j < emitted[:, None], start[:, None] + j, ids.shape[1])   # [B, K1]
+    rows = jnp.arange(ids.shape[0])[:, None]
+    ids = ids.at[rows, at].set(jnp.concatenate([rank[..., None], top_ids], -1), mode="drop")
+    vals = vals.at[rows, at].set(jnp.concatenate([lp[..., None], top_lps], -1), mode="drop")
+    return ids, vals
 
 
 def outputs(state: State, width: int) -> Outputs:

@@ -80,9 +80,9 @@ class SlotSync:
     def sync(self, state, running, update: Callable, progress: np.ndarray | None = None):
         """``state`` with the slots of ``running`` (requests holding slots) current, and with
         ``progress`` (every slot's row, as ``self.progress``) if given, else the progress as it
-        is; ``update``
-        is the engine's ``step.update_slots``. A change of the id lists' widths (a request
-        needing longer lists arrived, or the last that did left) sends the whole table."""
+        is; ``update`` is the engine's ``step.update_slots``. A change of the id lists' widths
+        (a request needing longer lists arrived, or the last that did left) sends the whole
+        table."""
         n = len(self._held)
         now: list = [None] * n
         for req in running:
@@ -97,7 +97,7 @@ class SlotSync:
                    | np.array([a is not b for a, b in zip(now, self._held)]))
         if progress is not None:
             changed |= (progress != self.progress).any(axis=1)
-            self.progress = progress
+            self.progress = progress.copy()
         dirty = np.flatnonzero(changed)
         if dirty.size == 0:
             return state
