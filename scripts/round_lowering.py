@@ -26,7 +26,7 @@ from sfjax.config import ModelConfig
 from sfjax.round import SpecBatch, round_step
 from sfjax.run import RunConfig
 from sfjax.sampling_params import SamplingParams
-from sfjax.step import DeviceState, StepBatch
+from sfjax.step import DeviceState, Progress, StepBatch
 
 PLATFORMS = {
     "cuda": ("triton", AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")),
@@ -52,14 +52,15 @@ def _abstract_cache(cfg, blocks=256):
     return KVCache(k=a, v=a)
 
 
-def _state(cfg) -> DeviceState:
+def _state(cfg, draft_cache=None) -> DeviceState:
     table = sampling.Sampling.placed(
         [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=64)] * SLOTS,
         [(0, 1)] * SLOTS, [64] * SLOTS, eos_token_ids=(2,))
     tables = np.arange(SLOTS * MAX_LEN // BLOCK, dtype=np.int32).reshape(SLOTS, -1) % 256
     return DeviceState(cache=_abstract_cache(cfg),
                        history=jax.ShapeDtypeStruct((SLOTS, MAX_LEN), jnp.int32),
-                       block_tables=tables, table=table)
+                       block_tables=tables, table=table, progress=Progress.start(np.full(SLOTS, 50, np.int32)),
+                       draft_cache=draft_cache)
 
 
 def _batch(k1: int) -> StepBatch:
@@ -101,7 +102,7 @@ def round_args(impl: str | None, num_layers: int = 32, method: str | None = None
             spec.update(method="ngram", acceptance_method="typical_acceptance_sampler")
     run = RunConfig(cfg, MAX_LEN, speculative_config=spec, block_size=BLOCK, layer_loop="scan",
                     attention=impl, sampler=impl, matmul=impl if matmul == "same" else matmul)
-    args = (_abstract_weights(cfg), dw, _state(cfg), dcache, _batch(1 if spec is None else K + 1),
+    args = (_abstract_weights(cfg), dw, _state(cfg, dcache), _batch(1 if spec is None else K + 1),
             None if spec is None else _spec_batch())
     return args, run
 

@@ -38,28 +38,18 @@ from sfjax.spec.config import adaptive_k, drafts_for
 from sfjax.round import SpecBatch, round_step
 from sfjax.run import RunConfig
 from sfjax.spec.table import NgramTable
-from sfjax.step import DeviceState, StepBatch
+from sfjax.step import DeviceState, Progress, StepBatch
 
 
 
 Config = RunConfig      # a generation program's static settings (``run.RunConfig``)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class State:
-    """A batch of B rows between calls; row b owns slot b and its own contiguous KV blocks."""
-    cache: KVCache
-    draft_cache: KVCache | eagle.HeadState | None   # the proposer's state
-    history: jax.Array           # int32 [B, max_model_len] each row's tokens by position
-    block_tables: jax.Array      # int32 [B, max_model_len / block_size]
-    prompt_len: jax.Array        # int32 [B] (0: an empty row, done from the start)
-    length: jax.Array            # int32 [B] prompt + output tokens so far
-    done: jax.Array              # bool [B] ended (stop token, max_tokens or max_model_len)
-    sampling: Sampling
-    num_drafts: jax.Array        # int32 [B] rounds that drafted (vLLM's spec-decode counters)
-    num_draft_tokens: jax.Array  # int32 [B]
-    num_accepted_tokens: jax.Array  # int32 [B] accepted drafts that were emitted
+# A batch of B rows between calls, the engine's own slot state (``step.DeviceState``): row b
+# owns slot b and its own contiguous KV blocks; ``progress`` holds each row's prompt length,
+# length, newest token, counters and live flag (``done`` is its negation: ended at a stop token,
+# max_tokens or max_model_len, or an empty row); ``draft_cache`` the proposer's state.
+State = DeviceState
 
 
 @jax.tree_util.register_dataclass
@@ -144,25 +134,29 @@ def _draws(slot, length, prompt_len, k1: int, n: int) -> Draws:
                  prompt_len=pad(rep(prompt_len), 0), target=jnp.full(n, -1, jnp.int32))
 
 
-def _commit(st: State, order, live, out, emitted, accepted, drafted, history) -> State:
+def _commit(st: State, order, live, out, emitted, accepted, drafted) -> State:
     """Appends each live row's ``out[r, :emitted[r]]`` (row r is sequence ``order[r]``), ends rows
     at a stop token, max_tokens or max_model_len (``accept.ends`` with the rows' ``accept.left``,
-    the round's own rule), and counts drafts."""
+    the round's own rule), and counts drafts, in the rows' progress."""
+    p = st.progress
     s, max_len = st.history.shape
-    length = st.length[order]
+    length = p.length[order]
     j = jnp.arange(out.shape[1])[None, :]
     keep = live[:, None] & (j < emitted[:, None])
-    history = history.at[jnp.where(keep, order[:, None], s), length[:, None] + j].set(out, mode="drop")
-    ended = accept.ends(out, emitted, *accept.left(st.sampling, order, length, st.prompt_len[order],
+    history = st.history.at[jnp.where(keep, order[:, None], s), length[:, None] + j].set(
+        out, mode="drop")
+    ended = accept.ends(out, emitted, *accept.left(st.table, order, length, p.prompt_len[order],
                                                    max_len))
+    newest = jnp.take_along_axis(out, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
     spec = drafted > 0
     put = lambda old, new: old.at[order].set(jnp.where(live, new, old[order]))
-    return dataclasses.replace(
-        st, history=history, length=put(st.length, length + emitted), done=put(st.done, ended),
-        num_drafts=put(st.num_drafts, st.num_drafts[order] + spec),
-        num_draft_tokens=put(st.num_draft_tokens, st.num_draft_tokens[order] + drafted),
-        num_accepted_tokens=put(st.num_accepted_tokens, st.num_accepted_tokens[order]
-                                + jnp.where(spec, jnp.minimum(accepted, emitted), 0)))
+    return dataclasses.replace(st, history=history, progress=dataclasses.replace(
+        p, length=put(p.length, length + emitted), live=put(p.live, ~ended),
+        last=put(p.last, jnp.where(emitted > 0, newest, p.last[order])),
+        spec_rounds=put(p.spec_rounds, p.spec_rounds[order] + spec),
+        drafted=put(p.drafted, p.drafted[order] + drafted),
+        accepted=put(p.accepted, p.accepted[order]
+                     + jnp.where(spec, jnp.minimum(accepted, emitted), 0))))
 
 
 def prefill(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config,
@@ -190,16 +184,11 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     per_seq = -(-cfg.max_model_len // cfg.block_size)
     num_blocks = dp * (1 + s // dp * per_seq)       # each data shard: its null block 0, its rows'
     local = jnp.arange(s, dtype=jnp.int32) % (s // dp)
-    zeros_b = jnp.zeros_like(prompt_lens)
     st = State(
         cache=KVCache.zeros(cfg.model, num_blocks, cfg.block_size, mesh=cfg.mesh),
-        draft_cache=_draft_state(cfg, num_blocks, s),
         history=jnp.zeros((s, cfg.max_model_len), jnp.int32),
         block_tables=1 + local[:, None] * per_seq + jnp.arange(per_seq, dtype=jnp.int32)[None, :],
-        prompt_len=prompt_lens, length=prompt_lens, done=prompt_lens <= 0,
-        sampling=jax.tree.map(jnp.asarray, sampling), num_drafts=zeros_b, num_draft_tokens=zeros_b,
-        num_accepted_tokens=zeros_b)
-    live = ~st.done
+        table=jax.tree.map(jnp.asarray, sampling), progress=Progress.start(prompt_lens))
     pos = jnp.arange(p, dtype=jnp.int32)[None, :]
     real = pos < prompt_lens[:, None]
     rows = jnp.arange(s, dtype=jnp.int32)
@@ -216,21 +205,22 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
                       num_logit_rows=jnp.int32(s), with_logprobs=jnp.bool_(False),
                       draws=_draws(rows, prompt_lens, prompt_lens, 1, r))
     # an EAGLE head follows the prompt rows in the round; the draft model's cache gets them after
-    head = cfg.head is not None
-    dev, dcache, drawn, _ = round_step(w, dw if head else None, device_state(st),
-                                       st.draft_cache if head else None, batch, None,
-                                       run=cfg if head else cfg.plain())
-    dcache = dcache if head else st.draft_cache
-    if cfg.draft is not None:
-        _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables, cfg.draft,
-                                  cfg.row_tile, small_tiles=cfg.draft_small_tiles,
-                                  matmul=cfg.matmul, attention=cfg.attention,
-                                  mesh=cfg.draft_mesh)
-    # the round donates the state it is given (a call outside jit): keep what it returns
-    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache, sampling=dev.table,
-                             block_tables=dev.block_tables)
-    one = live.astype(jnp.int32)
-    return _commit(st, rows, live, drawn.tokens[:s, None], one, zeros_b, zeros_b, dev.history)
+    # (the round donates the state it is given, a call outside jit: keep what it returns)
+    st = dataclasses.replace(st, draft_cache=_draft_state(cfg, num_blocks, s))
+    if cfg.head is not None:
+        st, drawn, _ = round_step(w, dw, st, batch, None, run=cfg)
+    else:
+        dcache = st.draft_cache
+        st, drawn, _ = round_step(w, None, dataclasses.replace(st, draft_cache=None), batch, None,
+                                  run=cfg.plain())
+        if cfg.draft is not None:
+            _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables,
+                                      cfg.draft, cfg.row_tile, small_tiles=cfg.draft_small_tiles,
+                                      matmul=cfg.matmul, attention=cfg.attention,
+                                      mesh=cfg.draft_mesh)
+        st = dataclasses.replace(st, draft_cache=dcache)
+    live, zeros = st.progress.live, jnp.zeros_like(prompt_lens)
+    return _commit(st, rows, live, drawn.tokens[:s, None], live.astype(jnp.int32), zeros, zeros)
 
 
 def _draft_state(cfg: Config, num_blocks: int, rows: int):
@@ -240,12 +230,6 @@ def _draft_state(cfg: Config, num_blocks: int, rows: int):
     if cfg.draft is not None:
         return KVCache.zeros(cfg.draft, num_blocks, cfg.block_size, mesh=cfg.draft_mesh)
     return None
-
-
-def device_state(st: State) -> DeviceState:
-    """The round's view of ``st`` (row b is slot b): its pages, tokens, blocks and settings."""
-    return DeviceState(cache=st.cache, history=st.history, block_tables=st.block_tables,
-                       table=st.sampling)
 
 
 def _round(w, dw, st: State, cfg: Config) -> State:
@@ -259,8 +243,7 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
     emit (``sampling.raw_logprobs``): (state, (logprob float32 [B, K1], rank, top ids and top
     logprobs [B, K1, 20]) by slot, entry j for the row's j-th token of the round, or None)."""
     batch, sb, laid = _layout(st, cfg, with_logprobs)
-    dev, dcache, drawn, v = round_step(w, dw, device_state(st), st.draft_cache, batch, sb, run=cfg)
-    return _finish(st, cfg, laid, dev, dcache, drawn, v, with_logprobs)
+    return _finish(*round_step(w, dw, st, batch, sb, run=cfg), cfg, laid, with_logprobs)
 
 
 def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = None):
@@ -269,12 +252,12 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
     all at the end. ``shape``: the (rows, logit rows, draft rows) to lay them in (a bucket the
     caller compiled that holds every live row's), else the fewest that hold them. Returns (batch,
     spec batch or None, what ``_finish`` reads of the layout)."""
-    s = st.length.shape[0]
-    order = jnp.argsort(st.done, stable=True).astype(jnp.int32)   # live rows first, as the step wants
-    live = ~st.done[order]
+    p = st.progress
+    s = p.length.shape[0]
+    order = jnp.argsort(~p.live, stable=True).astype(jnp.int32)   # live rows first, as the step wants
+    live = p.live[order]
     n_live = jnp.sum(live.astype(jnp.int32))
-    length, plen = st.length[order], st.prompt_len[order]
-    last = st.history[order, jnp.maximum(length - 1, 0)]
+    length, plen, last = p.length[order], p.prompt_len[order], p.last[order]
     slot = jnp.where(live, order, -1)
     spec = cfg.speculative_config
     k1 = spec.num_speculative_tokens + 1 if spec else 1
@@ -304,23 +287,20 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
 
 def _idle(st: State, cfg: Config):
     """``_layout``'s account of a round that has none of ``st``'s rows (every one done)."""
-    s = st.length.shape[0]
+    s = st.progress.length.shape[0]
     zeros = jnp.zeros(s, jnp.int32)
     spec = cfg.speculative_config is not None
     return (jnp.arange(s, dtype=jnp.int32), jnp.zeros(s, bool), zeros if spec else None,
             zeros if spec else None)
 
 
-def _finish(st: State, cfg: Config, laid, dev, dcache, drawn, v, with_logprobs: bool):
-    """The state after a round laid out by ``_layout`` (``laid``) gave ``dev``, ``dcache``,
-    ``drawn`` and ``v`` (``round.round_step``'s), and its tokens' logprobs (``_round_reported``)."""
+def _finish(st: State, drawn, v, cfg: Config, laid, with_logprobs: bool):
+    """The state after a round laid out by ``_layout`` (``laid``) gave ``st``, ``drawn`` and
+    ``v`` (``round.round_step``'s), and its tokens' logprobs (``_round_reported``)."""
     order, live, k, logit_first = laid
-    s = st.length.shape[0]
+    s = order.shape[0]
     spec = cfg.speculative_config
     k1 = spec.num_speculative_tokens + 1 if spec else 1
-    # the round donates the state it is given (a call outside jit): keep what it returns
-    st = dataclasses.replace(st, cache=dev.cache, draft_cache=dcache, sampling=dev.table,
-                             block_tables=dev.block_tables)
     report = None
     if with_logprobs:         # entry r (slot order[r]) has logit rows at[r]: its own k + 1
         at = (jnp.arange(s)[:, None] if spec is None else
@@ -331,20 +311,21 @@ def _finish(st: State, cfg: Config, laid, dev, dcache, drawn, v, with_logprobs: 
     if v is None:
         zero = jnp.zeros(s, jnp.int32)
         tokens = jnp.take(drawn.tokens, jnp.arange(s), mode="clip")   # entry e's row e; live first
-        return _commit(st, order, live, tokens[:, None], live.astype(jnp.int32), zero, zero,
-                       dev.history), report
-    return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted, dev.history), report
+        return _commit(st, order, live, tokens[:, None], live.astype(jnp.int32), zero,
+                       zero), report
+    return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted), report
 
 
 def _spec_k(st: State, cfg: Config, order, live, length, plen):
     """Each entry's drafts this round (``drafts_for``; adaptive_k reads its acceptance so far),
     0 for the entries that are not live."""
     spec = cfg.speculative_config
-    _, _, budget = accept.left(st.sampling, order, length, plen, cfg.max_model_len)
+    p = st.progress
+    _, _, budget = accept.left(st.table, order, length, plen, cfg.max_model_len)
     k_max = spec.num_speculative_tokens
     table = spec.k_table(cfg.model)
     if table is not None:            # adaptive_k: each row's k from its own acceptance so far
-        k_max = adaptive_k(table, st.num_draft_tokens[order], st.num_accepted_tokens[order], jnp)
+        k_max = adaptive_k(table, p.drafted[order], p.accepted[order], jnp)
     k = drafts_for(k_max, budget, length, spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
     return jnp.where(live & spec.speculates_at(jnp.sum(live.astype(jnp.int32))), k, 0)
 
@@ -372,7 +353,7 @@ def _spec_batch(st: State, cfg: Config, order, live, length, last, first, k, log
     from ``first`` and its logit rows from ``logit_first``, by its ``k``) and the draft model's
     rows at L-2, L-1 (in ``na`` rows if given)."""
     s = order.shape[0]
-    plen = st.prompt_len[order]
+    plen = st.progress.prompt_len[order]
     slot = jnp.where(live, order, -1)
     two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile, rows=na)
     prev = st.history[order, jnp.maximum(length - 2, 0)]
@@ -409,7 +390,7 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     round instead, for rows the state does not hold (every row of ``state`` done): the caller
     reads that round's drawn rows and ``Verified``. One program then runs a caller's round and
     the device's, traced once."""
-    b = state.length.shape[0]
+    b = state.progress.length.shape[0]
     rec = jnp.zeros((max_rounds, b), jnp.int32)
     spec = cfg.speculative_config
     k1 = spec.num_speculative_tokens + 1 if spec else 1
@@ -425,19 +406,18 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
         else:                         # the caller's rows instead, in its call's one round
             batch, sb, laid = lax.cond(from_host & (i == 0), lambda st: (*host, _idle(st, cfg)),
                                        lambda st: _layout(st, cfg, with_logprobs, laid_in), st)
-        dev, dcache, drawn, v = round_step(w, dw, device_state(st), st.draft_cache, batch, sb,
-                                           run=cfg)
-        return _finish(st, cfg, laid, dev, dcache, drawn, v, with_logprobs), (drawn, v)
+        new, drawn, v = round_step(w, dw, st, batch, sb, run=cfg)
+        return _finish(new, drawn, v, cfg, laid, with_logprobs), (drawn, v)
 
     def body(c):
         i, st, drafted, accepted, ids, vals, _ = c
         (new, report), out = one(i, st)
+        p, q = st.progress, new.progress
         if with_logprobs:
-            ids, vals = _record(report, st.length - state.length, new.length - st.length, ids,
-                                vals)
-        return (i + 1, new, drafted.at[i].set(new.num_draft_tokens - st.num_draft_tokens),
-                accepted.at[i].set(new.num_accepted_tokens - st.num_accepted_tokens), ids, vals,
-                out)
+            ids, vals = _record(report, p.length - state.progress.length, q.length - p.length,
+                                ids, vals)
+        return (i + 1, new, drafted.at[i].set(q.drafted - p.drafted),
+                accepted.at[i].set(q.accepted - p.accepted), ids, vals, out)
 
     # the last round's drawn rows and Verified start as zeros of their shapes
     last = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
@@ -467,13 +447,14 @@ def _record(report, start, emitted, ids, vals):
 
 def outputs(state: State, width: int) -> Outputs:
     """The first ``width`` output tokens of each row, with lengths and acceptance counts."""
-    n = state.length - state.prompt_len
+    p = state.progress
+    n = p.length - p.prompt_len
     j = jnp.arange(width)[None, :]
-    pos = jnp.minimum(state.prompt_len[:, None] + j, state.history.shape[1] - 1)
+    pos = jnp.minimum(p.prompt_len[:, None] + j, state.history.shape[1] - 1)
     ids = jnp.take_along_axis(state.history, pos, axis=1)
-    return Outputs(token_ids=jnp.where(j < n[:, None], ids, -1), num_tokens=n, finished=state.done,
-                   num_drafts=state.num_drafts, num_draft_tokens=state.num_draft_tokens,
-                   num_accepted_tokens=state.num_accepted_tokens)
+    return Outputs(token_ids=jnp.where(j < n[:, None], ids, -1), num_tokens=n,
+                   finished=~p.live, num_drafts=p.spec_rounds, num_draft_tokens=p.drafted,
+                   num_accepted_tokens=p.accepted)
 
 
 def generate(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config,

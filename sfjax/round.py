@@ -109,14 +109,14 @@ def _verify_rows(tokens, positions, slots, spec: SpecBatch, drafts, k):
             slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop"))
 
 
-@functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("state", "draft_cache"))
-def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: StepBatch,
+@functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("state",))
+def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
                spec: SpecBatch | None, *, run):
     """One round for every slot: the batch's rows through the model (their K/V written, their
     tokens recorded in the history), logits at its logit rows, each drawn with its slot's
     settings (``sampling.rows``); with a ``RoundConfig`` (and a ``SpecBatch``), the speculating
-    slots' drafts proposed into their verify rows first, and accepted after. DONATES ``state``
-    and ``draft_cache``. ``run``: the ``run.RunConfig`` (its ``round``, None without
+    slots' drafts proposed into their verify rows first (the proposer's state is
+    ``state.draft_cache``), and accepted after. DONATES ``state``. ``run``: the ``run.RunConfig`` (its ``round``, None without
     speculation). ``draft_weights``: the draft model's, or for ``ngram`` its n-gram draft table
     (``sfjax.spec.table``) or None. On the run's ``mesh`` the models run under ``shard_map`` (the
     draft on ``draft_mesh``: the same devices, maybe a smaller tensor-parallel size) and
@@ -124,10 +124,11 @@ def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: S
 
     Logit rows: the prefill completions and prompt logprobs, then each speculating slot's
     k + 1 verify rows from its ``spec.verify_logit`` (the host lays them out K + 1 apart,
-    ``sfjax.functional`` packed, by each slot's own k). Returns (state, draft_cache, drawn [R],
-    ``Verified``, or None for plain decoding).
+    ``sfjax.functional`` packed, by each slot's own k). Returns (state, drawn [R], ``Verified``,
+    or None for plain decoding). The round leaves the progress to its caller.
     """
     cfg, rc, row_tile, mesh = run.model, run.round, run.row_tile, run.mesh
+    draft_cache = state.draft_cache
     history = replicated(record_tokens(state.history, batch.slots, batch.positions, batch.tokens), mesh)
     draws = sampling.rows(state.table, batch.draws)
     tokens, positions, slots = batch.tokens, batch.positions, batch.slots
@@ -157,7 +158,7 @@ def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: S
     if spec is None:
         if features:                    # a round none of whose slots speculates
             draft_cache = follow(None)
-        return state, draft_cache, replicated(drawn, mesh), None
+        return dataclasses.replace(state, draft_cache=draft_cache), replicated(drawn, mesh), None
     accepted, out, drawn = rc.rule.accept(dataclasses.replace(ctx, history=history), drafts, k,
                                           logq, logits, drawn)
     if features:
@@ -166,4 +167,5 @@ def round_step(weights, draft_weights, state: DeviceState, draft_cache, batch: S
         state.table, spec.slots, spec.length, spec.prompt_len, history.shape[1]))
     verified = Verified(accepted=jnp.where(live, accepted, 0), tokens=out,
                         emitted=jnp.where(live, emitted, 0), drafted=k)
-    return state, draft_cache, *replicated((drawn, verified), mesh)
+    return (dataclasses.replace(state, draft_cache=draft_cache),
+            *replicated((drawn, verified), mesh))

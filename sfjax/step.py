@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,16 +21,25 @@ from sfjax.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Progress:
-    """Per slot, where the rounds the device lays out start from (the engine's ``rounds.call``);
-    int32 [max_seqs] each (``live`` bool). The device advances the live slots' rows itself; the
-    host sends a slot's row only when it differs from what the device holds
+    """Per slot, where the rounds the device lays out start from; int32 [slots] each (``live``
+    bool). The rounds (``sfjax.functional``) advance the live slots' rows and end them. The
+    engine's host sends a slot's row only when it differs from what the device holds
     (``sfjax.engine.slots``): an admission, an end, a round the host laid out."""
     prompt_len: jax.Array
     length: jax.Array        # prompt + output tokens so far
-    last: jax.Array          # the newest token (drawn, not yet fed)
-    live: jax.Array          # bool: the device lays out this slot's rows
+    last: jax.Array          # the newest token (the history holds it at length - 1 once fed)
+    live: jax.Array          # bool: the device lays out this slot's rows (not ended, not empty)
     drafted: jax.Array       # the request's draft tokens so far (adaptive_k reads them)
-    accepted: jax.Array      # its accepted drafts so far
+    accepted: jax.Array      # its accepted drafts that were emitted
+    spec_rounds: jax.Array   # its rounds that drafted (vLLM's num_drafts)
+
+    @classmethod
+    def start(cls, prompt_len) -> "Progress":
+        """Rows at their prompts (0: an empty row, not live), nothing drawn yet (each field an
+        array of its own: a call outside jit donates them)."""
+        zeros = lambda: jnp.zeros_like(prompt_len)
+        return cls(prompt_len=jnp.array(prompt_len), length=jnp.array(prompt_len), last=zeros(),
+                   live=prompt_len > 0, drafted=zeros(), accepted=zeros(), spec_rounds=zeros())
 
     @classmethod
     def of_rows(cls, rows: np.ndarray) -> "Progress":
@@ -45,15 +55,23 @@ PROGRESS_FIELDS = tuple(f.name for f in dataclasses.fields(Progress))
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DeviceState:
-    """What lives on the device between steps (donated through each step): the KV pages and,
-    per slot, its tokens, its block table, its request's sampling settings and its progress
-    (the engine's; None in ``sfjax.functional``, whose ``State`` holds it). The host sends only
-    what changed (``update_slots``; ``sfjax.engine.slots``)."""
+    """The slot state, the one pytree that lives on the device between calls (donated through
+    each): the KV pages, per slot its tokens, its block table, its request's sampling settings
+    and its progress, and the proposer's state (the draft model's pages, an EAGLE head's
+    ``HeadState``, or None). The engine's host sends only what changed (``update_slots``;
+    ``sfjax.engine.slots``); ``sfjax.functional`` calls it ``State``."""
     cache: KVCache
-    history: jax.Array       # int32 [max_seqs, max_model_len]: each slot's tokens by position
-    block_tables: jax.Array  # int32 [max_seqs, max_blocks]: each slot's pages
-    table: sampling.Sampling  # [max_seqs] each slot's request's sampling settings
-    progress: Progress | None = None
+    history: jax.Array       # int32 [slots, max_model_len]: each slot's tokens by position
+    block_tables: jax.Array  # int32 [slots, max_blocks]: each slot's pages
+    table: sampling.Sampling  # [slots] each slot's request's sampling settings
+    progress: Progress
+    draft_cache: Any = None  # KVCache | eagle.HeadState | None: the proposer's state
+
+    @property
+    def done(self) -> jax.Array:
+        """bool [slots]: the rows the rounds do not advance (ended, empty, or the engine's host
+        lays them out)."""
+        return ~self.progress.live
 
 
 @jax.tree_util.register_dataclass

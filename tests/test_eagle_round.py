@@ -156,9 +156,9 @@ def test_the_heads_cache_holds_the_dense_heads_keys_whatever_the_rounds(pair):
     prompts = [[7, 300, 12, 45, 99]]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     st = _generate(pair, True, params, prompts, rounds=6)
-    length = int(st.length[0])
+    length = int(st.progress.length[0])
     tokens = np.asarray(st.history[0, :length]).tolist()
-    assert int(st.num_drafts[0]) == 6 and length > 11
+    assert int(st.progress.spec_rounds[0]) == 6 and length > 11
     feats = _dense_features(weights, tokens[:-1])                 # positions 0 .. L-2
     n = length - 2                                                # rows 0 .. L-3
     toks = jnp.asarray(tokens[1:n + 1])

@@ -178,7 +178,7 @@ def test_invariants_after_every_step_with_a_draft(tiny_folder):
         eng.step()
         check_engine(eng)
         blocks = sorted(eng.allocator.cached_ids())
-        target, draft = (np.asarray(c.k[:, blocks]) for c in (eng.state.cache, eng.spec.draft_cache))
+        target, draft = (np.asarray(c.k[:, blocks]) for c in (eng.state.cache, eng.state.draft_cache))
         assert np.array_equal(target, draft)
         checked.update(blocks)
         if not eng.has_unfinished_requests() and step >= len(prompts):

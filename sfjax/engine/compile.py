@@ -63,6 +63,6 @@ def precompile(engine, progress: bool = True) -> float:
             row = np.zeros(engine.config.max_model_len, np.int32)
             engine.state = engine.programs.write_history(engine.state, np.int32(0), row, np.int32(0))
         elif kind == "forget":
-            engine.spec.draft_cache = engine.programs.forget(engine.spec.draft_cache, np.int32(0))
+            engine.state = engine.programs.forget(engine.state, np.int32(0))
     jax.block_until_ready(engine.state)
     return time.monotonic() - t0

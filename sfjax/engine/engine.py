@@ -169,11 +169,11 @@ class Engine:
                                     eos_token_ids=self.eos_token_ids,
                                     shard_of=self.scheduler.shard_of)
         self.slots = SlotSync(self.block_tables, self.batches.table, self.batches.widths, mesh)
-        self.state = self._initial_state()
         self.registry = Registry()
         self.spec = (Speculator(speculative, cfg, max_len, num_blocks, config.block_size, draft,
                                 self.registry, mesh, self._split, tiles, self.weights.embed,
                                 config.max_num_seqs) if speculative else None)
+        self.state = self._initial_state()
         self.run = self._run_config(tiles(cfg, self.weights))
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
         self._shapes: set[tuple] = set()               # the buckets its calls have run in
@@ -190,13 +190,14 @@ class Engine:
 
     def _initial_state(self) -> DeviceState:
         """The device state of an idle engine: an empty cache and history, the slot tables, no
-        slot's progress."""
+        slot's progress, the proposer's empty state."""
         c = self.config
         block_tables, table, progress = self.slots.initial()
         return DeviceState(
             cache=KVCache.zeros(self.cfg, c.num_kv_blocks, c.block_size, mesh=self.mesh),
             history=sharding.zeros((c.max_num_seqs, c.max_model_len), jnp.int32, P(), self.mesh),
-            block_tables=block_tables, table=table, progress=progress)
+            block_tables=block_tables, table=table, progress=progress,
+            draft_cache=self.spec.initial_cache() if self.spec else None)
 
     def _log_cache(self, per_block: int) -> None:
         c, dp = self.config, self.dp
@@ -394,8 +395,7 @@ class Engine:
                 row[:s.cached] = [s.request.token(j) for j in range(s.cached)]
                 self.state = self.programs.write_history(self.state, np.int32(s.request.slot), row, np.int32(s.cached))
                 if self.programs.forget is not None:     # an EAGLE head's kept features
-                    self.spec.draft_cache = self.programs.forget(self.spec.draft_cache,
-                                                                 np.int32(s.request.slot))
+                    self.state = self.programs.forget(self.state, np.int32(s.request.slot))
         self.stats["steps"] += 1                 # device rounds
         self.stats["host_steps"] += 1            # calls that ran the device (several rounds each)
         n_rounds = self._rounds_for(plan)
@@ -552,10 +552,10 @@ class Engine:
         reqs = [s.request for s in plan]
         progress = np.zeros_like(self.slots.progress)        # every other slot: not live
         for req in reqs:              # its row (slots.PROGRESS_FIELDS); adaptive_k reads drafts
-            m = req.spec_metrics
+            m = req.spec_metrics or speculation.SpecMetrics()
             progress[req.slot] = (len(req.prompt_token_ids), req.num_tokens,
-                                  req.output_token_ids[-1], 1, m.num_draft_tokens if m else 0,
-                                  m.num_accepted_tokens if m else 0)
+                                  req.output_token_ids[-1], 1, m.num_draft_tokens,
+                                  m.num_accepted_tokens, m.num_drafts)
         with_logprobs = any(req.params.logprobs is not None for req in reqs)
         out, logprobs = self._run_rounds(self._rounds_shape(reqs, with_logprobs), progress,
                                          num_rounds, bool(self.scheduler.waiting), with_logprobs)
@@ -566,7 +566,7 @@ class Engine:
             at, length = req.slot, int(new_len[req.slot])
             grew = length - progress[at, LENGTH]
             self.slots.advanced(at, length, tokens[at, grew - 1] if grew else progress[at, LAST],
-                                drafted[:n, at].sum(), accepted[:n, at].sum())
+                                drafted[:n, at], accepted[:n, at])
         self.stats["steps"] += n - 1                        # device rounds
         # a request that speculates gets counters (zeros if it never drafts), as in a single step
         speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
@@ -679,15 +679,11 @@ class Engine:
         return self._call(batch, sb, None, 1, False, True, False)[2:]
 
     def _call(self, batch, sb, progress, num_rounds, until_one_ends, from_host, with_logprobs):
-        spec = self.spec
         self._sync(progress)
         program = self.programs.round_logprobs if with_logprobs else self.programs.round
-        self.state, draft_cache, *out = program(
-            self.weights, spec.draft_weights if spec else None, self.state,
-            spec.draft_cache if spec else None, batch, sb, np.int32(num_rounds),
-            np.bool_(until_one_ends), np.bool_(from_host))
-        if spec:
-            spec.draft_cache = draft_cache
+        self.state, *out = program(
+            self.weights, self.spec.draft_weights if self.spec else None, self.state, batch, sb,
+            np.int32(num_rounds), np.bool_(until_one_ends), np.bool_(from_host))
         if not with_logprobs:
             self._shapes.add((len(batch.tokens), len(batch.logit_rows),
                               None if sb is None else len(sb.draft_tokens)))

@@ -44,7 +44,7 @@ class Programs:
     round_logprobs: Callable
     write_history: Callable     # (state, slot, row, n) -> state
     update_slots: Callable      # (state, slots, block rows, sampling rows) -> state
-    forget: Callable | None     # eagle3: (head state, slot) -> head state (``eagle.forget``)
+    forget: Callable | None     # eagle3: (state, slot) -> state (``forget``)
     max_rounds: int             # the rounds a call of ``round`` may run (its read-back's width)
 
 
@@ -77,7 +77,7 @@ def programs_for(engine) -> Programs:
     batch's shapes are keyed by jit itself)."""
     run, spec = engine.run.of_device(), engine.spec
     target = _shapes((engine.weights, engine.state))
-    draft = None if spec is None else _shapes((spec.draft_weights, spec.draft_cache))
+    draft = None if spec is None else _shapes(spec.draft_weights)
     steps, opts = engine.config.num_scheduler_steps, engine.config.compiler_options
     progs = dict(
         write_history=_shared(("write_history", _shapes(engine.state), opts),
@@ -86,14 +86,19 @@ def programs_for(engine) -> Programs:
                              lambda: _jit(step.update_slots, ("state",), opts)),
         forget=None, max_rounds=steps)
     if spec is not None and spec.head_cfg is not None:
-        progs["forget"] = _shared(("forget", draft, opts),
-                                  lambda: _jit(eagle.forget, ("state",), opts))
+        progs["forget"] = _shared(("forget", _shapes(engine.state), opts),
+                                  lambda: _jit(forget, ("state",), opts))
     for name, logprobs in (("round", False), ("round_logprobs", True)):
         progs[name] = _shared(
             ("round", run, steps, logprobs, target, draft, opts),
-            lambda logprobs=logprobs: _jit(rounds.call, ("state", "draft_cache"), opts, run=run,
+            lambda logprobs=logprobs: _jit(rounds.call, ("state",), opts, run=run,
                                            max_rounds=steps, with_logprobs=logprobs))
     return Programs(**progs)
+
+
+def forget(state: step.DeviceState, slot) -> step.DeviceState:
+    """``state`` with an EAGLE head's kept features of ``slot`` dropped (``eagle.forget``)."""
+    return dataclasses.replace(state, draft_cache=eagle.forget(state.draft_cache, slot))
 
 
 def clear() -> None:

@@ -23,7 +23,6 @@ import numpy as np
 from jax import lax
 
 from sfjax import functional as F
-from sfjax.cache import KVCache
 from sfjax.engine.scheduler import Request
 from sfjax.run import RunConfig
 from sfjax.sampling import Drawn
@@ -54,28 +53,28 @@ def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
 
 
 @functools.partial(jax.jit, static_argnames=("run", "max_rounds", "with_logprobs"),
-                   donate_argnames=("state", "draft_cache"))
-def call(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None,
-         batch: StepBatch, spec: SpecBatch | None, num_rounds, until_one_ends, from_host, *,
-         run: RunConfig, max_rounds: int, with_logprobs: bool = False):
+                   donate_argnames=("state",))
+def call(weights, draft_weights, state: DeviceState, batch: StepBatch, spec: SpecBatch | None,
+         num_rounds, until_one_ends, from_host, *, run: RunConfig, max_rounds: int,
+         with_logprobs: bool = False):
     """The engine's one program: a call of one round laid out by the host, or of up to
     ``num_rounds`` rounds the device lays out for the slots its progress marks live
     (``state.progress``, a ``step.Progress``), in the host batch's shapes
-    (``functional.run_rounds``), with the state's block tables and sampling table. DONATES
-    ``state`` and ``draft_cache``.
+    (``functional.run_rounds``, over the same state pytree). DONATES ``state``.
 
     ``from_host``: run ``batch`` (and ``spec``, a speculating engine's) as the call's one round
     (no slot live); the host reads its drawn rows and ``Verified``. Otherwise ``batch`` and
     ``spec`` are padding of the bucket the rounds run in (one the engine has compiled, whose
     shapes hold every live slot's rows), and ``until_one_ends``: return once any request ends
     (others wait for its slot). A live slot's progress gives its prompt length, its length and
-    newest token (drawn, not yet fed: the engine's history records tokens as they are fed; the
-    rounds read a row's input token from the history), and its request's drafts and accepted
-    drafts so far (adaptive_k reads them); the call advances them. ``with_logprobs`` (static: a
+    newest token (drawn, not yet fed: the engine's history records tokens as they are fed), and
+    its request's drafts and accepted drafts so far (adaptive_k reads them); the call advances
+    them. A row that ends stays live: the host reads the end back and sends the slot's next
+    row. ``with_logprobs`` (static: a
     program of its own, so the rounds without it compute and carry nothing more): record each
     new token's raw logprobs.
 
-    Returns (state, draft cache, out, logprobs, drawn, verified). ``out``, int32 [slots, 2 + W +
+    Returns (state, out, logprobs, drawn, verified). ``out``, int32 [slots, 2 + W +
     2 * max_rounds]: per slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens
     from its old length on, and the drafts proposed and the accepted drafts emitted in each round
     (``unpack``): one array, so the host reads everything back in one transfer. ``logprobs``,
@@ -85,30 +84,22 @@ def call(weights, draft_weights, state: DeviceState, draft_cache: KVCache | None
     p = state.progress
     live = p.live & ~from_host
     length = p.length
-    zeros = jnp.zeros_like(length)
     slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
     history = state.history.at[slots, length - 1].set(p.last, mode="drop")
-    st = F.State(cache=state.cache, draft_cache=draft_cache, history=history,
-                 block_tables=state.block_tables, prompt_len=p.prompt_len, length=length,
-                 done=~live, sampling=state.table, num_drafts=zeros, num_draft_tokens=p.drafted,
-                 num_accepted_tokens=p.accepted)
+    st = dataclasses.replace(state, history=history, progress=dataclasses.replace(p, live=live))
     st, n, drafted, accepted, ids, vals, drawn, verified = F.run_rounds(
         weights, draft_weights, st, run, num_rounds, max_rounds, until_one_ends, with_logprobs,
         (batch, spec), from_host)
     width = max_rounds * (run.k_max + 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
-    out = jnp.concatenate([st.length[:, None], jnp.broadcast_to(n, length.shape)[:, None], tokens,
+    new_len = st.progress.length
+    out = jnp.concatenate([new_len[:, None], jnp.broadcast_to(n, length.shape)[:, None], tokens,
                            drafted.T, accepted.T], axis=1)
     logprobs = (jnp.stack([ids, lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
                 if with_logprobs else None)
-    newest = jnp.take_along_axis(st.history, jnp.maximum(st.length - 1, 0)[:, None], axis=1)[:, 0]
-    ran = lambda new, old: jnp.where(live, new, old)
-    progress = dataclasses.replace(p, length=ran(st.length, length), last=ran(newest, p.last),
-                                   drafted=ran(st.num_draft_tokens, p.drafted),
-                                   accepted=ran(st.num_accepted_tokens, p.accepted))
-    return (dataclasses.replace(state, cache=st.cache, history=st.history, progress=progress),
-            st.draft_cache, out, logprobs, drawn, verified)
+    return (dataclasses.replace(st, progress=dataclasses.replace(st.progress, live=p.live)),
+            out, logprobs, drawn, verified)
 
 
 def unpack(out, max_rounds: int):

@@ -28,7 +28,7 @@ from sfjax.rows import bucket
 from sfjax.step import PROGRESS_FIELDS, Progress
 
 # the columns of the host's progress rows (``SlotSync.progress``)
-PROMPT_LEN, LENGTH, LAST, LIVE, DRAFTED, ACCEPTED = range(len(PROGRESS_FIELDS))
+PROMPT_LEN, LENGTH, LAST, LIVE, DRAFTED, ACCEPTED, SPEC_ROUNDS = range(len(PROGRESS_FIELDS))
 
 
 def rows_for(changed: int, num_slots: int) -> int:
@@ -53,7 +53,7 @@ class SlotSync:
         self._sent = np.zeros_like(block_tables)              # the device's block tables
         self._held: list = [None] * block_tables.shape[0]     # whose settings each slot holds
         self._widths = widths([])                             # the device table's list widths
-        # the device's progress, a row per slot: int32 [slots, 6], Progress's fields in order
+        # the device's progress, a row per slot: int32 [slots, 7], Progress's fields in order
         self.progress = np.zeros((block_tables.shape[0], len(PROGRESS_FIELDS)), np.int32)
 
     def padding(self, u: int) -> tuple[np.ndarray, np.ndarray, sampling.Sampling, Progress]:
@@ -116,10 +116,11 @@ class SlotSync:
             self._held[s] = now[s]
         return state
 
-    def advanced(self, slot: int, length: int, last: int, drafted: int, accepted: int) -> None:
+    def advanced(self, slot: int, length: int, last: int, drafted, accepted) -> None:
         """Records what a call of device rounds left in ``slot``'s progress: its new length and
-        newest token, and the drafts and accepted drafts it added."""
+        newest token, and per round run the drafts proposed and the accepted drafts emitted."""
         row = self.progress[slot]
         row[LENGTH], row[LAST] = length, last
-        row[DRAFTED] += drafted
-        row[ACCEPTED] += accepted
+        row[DRAFTED] += drafted.sum()
+        row[ACCEPTED] += accepted.sum()
+        row[SPEC_ROUNDS] += (drafted > 0).sum()

@@ -95,14 +95,21 @@ class Speculator:
             t = table.load(config.prompt_lookup_table, cfg.vocab_size)
             self.draft_weights = t if mesh is None else sharding.put(
                 t, jax.tree.map(lambda _: P(), t), mesh)
-        self.draft_cache = (KVCache.zeros(self.draft_cfg, num_blocks, block_size, mesh=self.mesh)
-                            if self.draft_cfg is not None else None)
+        self._cache_shape = num_blocks, block_size, max_num_seqs
         if self.head_cfg is not None:
             self.draft_weights = eagle.place(head, embed)
-            self.draft_cache = eagle.HeadState.zeros(self.head_cfg, num_blocks, block_size,
-                                                     max_num_seqs)
         self.metrics = SpecMetrics()
         self.k_table = dataclasses.replace(config, model=self.round_model).k_table(cfg)
+
+    def initial_cache(self):
+        """The proposer's state before any request (the slot state's ``draft_cache``): the draft
+        model's empty pages, an EAGLE head's empty ``HeadState``, or None (n-gram)."""
+        num_blocks, block_size, max_num_seqs = self._cache_shape
+        if self.head_cfg is not None:
+            return eagle.HeadState.zeros(self.head_cfg, num_blocks, block_size, max_num_seqs)
+        if self.draft_cfg is not None:
+            return KVCache.zeros(self.draft_cfg, num_blocks, block_size, mesh=self.mesh)
+        return None
 
     @property
     def every_step(self) -> bool:

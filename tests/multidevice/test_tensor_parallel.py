@@ -139,7 +139,7 @@ def _assert_pages_over_data(cache, mesh):
 @pytest.mark.parametrize("draft_tp", [None, 1])
 def test_the_draft_cache_is_sharded_over_data_too(engines, draft_tp):
     eng = engines(4, 2, spec=True, draft_tp=draft_tp).engine
-    dk = eng.spec.draft_cache.k
+    dk = eng.state.draft_cache.k
     assert dk.shape[1] == eng.state.cache.k.shape[1] == eng.config.num_kv_blocks
     _assert_pages_over_data(dk, eng.spec.mesh)
     heads = {s.data.shape[3] for s in dk.addressable_shards}
