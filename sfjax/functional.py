@@ -246,12 +246,15 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
     return _finish(*round_step(w, dw, st, batch, sb, run=cfg), cfg, laid, with_logprobs)
 
 
-def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = None):
+def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = None, host=None):
     """A round's batch for every live row, laid out on the device as the step wants it: live rows
     first, one row each (plain) or each slot's k + 1 verify rows packed by its own k, the padding
     all at the end. ``shape``: the (rows, logit rows, draft rows) to lay them in (a bucket the
-    caller compiled that holds every live row's), else the fewest that hold them. Returns (batch,
-    spec batch or None, what ``_finish`` reads of the layout)."""
+    caller compiled that holds every live row's), else the fewest that hold them.
+
+    ``host``: rows the engine's host laid out for this round too (``Host``: prefill chunks), at
+    the head of each data shard's segment and of the logit rows; the live rows follow them.
+    Returns (batch, spec batch or None, what ``_finish`` reads of the layout)."""
     p = st.progress
     s = p.length.shape[0]
     order = jnp.argsort(~p.live, stable=True).astype(jnp.int32)   # live rows first, as the step wants
@@ -262,36 +265,74 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
     spec = cfg.speculative_config
     k1 = spec.num_speculative_tokens + 1 if spec else 1
     n_rows, r, na = shape or (None, _tiles(s * k1, cfg.row_tile), None)
+    after, hr = (None, 0) if host is None else (host.rows, host.batch.num_logit_rows)
     if spec is None:
-        first, n = sharding.slot_rows(slot, live, s, cfg.mesh, 1, cfg.row_tile, rows=n_rows)
-        k = logit_first = None
+        first, n = sharding.slot_rows(slot, live, s, cfg.mesh, 1, cfg.row_tile, rows=n_rows,
+                                      after=after)
+        k = None
+        logit_first = hr + jnp.arange(s, dtype=jnp.int32)
         wide = max(s, r)                 # r < s: only the live entries (first) need logit rows
         logit_rows = jnp.concatenate([jnp.where(first < n, first, 0), jnp.arange(s, wide)])[:r]
         num_logit_rows = n_live
         draws = jax.tree.map(lambda x: x[:r], _draws(order, length, plen, 1, wide))
     else:       # each slot's k + 1 rows packed, by its own k: the padding all at the end
-        k = _spec_k(st, cfg, order, live, length, plen)
+        k = _spec_k(st, cfg, order, live, length, plen, 0 if host is None else host.running)
         first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile, counts=k + 1,
-                                      rows=n_rows)
+                                      rows=n_rows, after=after)
         logit_first, logit_rows, num_logit_rows, draws = _packed_logit_rows(
             order, live, length, plen, first, k, r)
-    put = lambda fill, x: jnp.full(n, fill, jnp.int32).at[first].set(x, mode="drop")
+        logit_first = hr + logit_first
+    base = lambda fill, x: jnp.full(n, fill, jnp.int32) if host is None else x
+    put = lambda fill, x, rows: base(fill, rows).at[first].set(x, mode="drop")
+    hb = host.batch if host is not None else None
+    if host is not None:          # the host's logit rows first, the live rows' after them
+        logit_rows, draws = _after(hr, (hb.logit_rows, hb.draws), (logit_rows, draws))
+        num_logit_rows = hr + num_logit_rows
+    logprobs = jnp.bool_(with_logprobs) | (False if hb is None else hb.with_logprobs)
     batch = StepBatch(
-        tokens=put(0, last), positions=put(-1, jnp.where(live, length - 1, -1)),
-        slots=put(-1, slot), logit_rows=logit_rows, num_logit_rows=num_logit_rows,
-        with_logprobs=jnp.bool_(with_logprobs), draws=draws)
+        tokens=put(0, last, hb and hb.tokens),
+        positions=put(-1, jnp.where(live, length - 1, -1), hb and hb.positions),
+        slots=put(-1, slot, hb and hb.slots), logit_rows=logit_rows,
+        num_logit_rows=num_logit_rows, with_logprobs=logprobs, draws=draws)
     sb = None if spec is None else _spec_batch(st, cfg, order, live, length, last, first, k,
-                                               jnp.where(live, logit_first, r), na)
+                                               jnp.where(live, logit_first, r), na, host)
     return batch, sb, (order, live, k, logit_first)
 
 
-def _idle(st: State, cfg: Config):
-    """``_layout``'s account of a round that has none of ``st``'s rows (every one done)."""
-    s = st.progress.length.shape[0]
-    zeros = jnp.zeros(s, jnp.int32)
-    spec = cfg.speculative_config is not None
-    return (jnp.arange(s, dtype=jnp.int32), jnp.zeros(s, bool), zeros if spec else None,
-            zeros if spec else None)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Host:
+    """The rows the engine's host lays out for a round beside the device's (``_layout``): its
+    prefill chunks, packed by data shard at the head of each segment (``rows`` of them per
+    shard, int32 [dp]), their logit rows first (``batch.num_logit_rows``), and for a draft
+    model the same rows for it (``draft``: tokens, positions, slots int32 [NA], laid out
+    alike in its own row count). ``running``: requests the speculation threshold
+    (``disable_by_batch_size``) counts beyond the live rows."""
+    batch: StepBatch
+    draft: tuple | None
+    rows: jax.Array
+    running: jax.Array
+
+    def only_first(self, first) -> "Host":
+        """These rows in the first round of a call (``first``, traced), none after it."""
+        b = self.batch
+        keep = lambda x, fill: jnp.where(first, x, fill)
+        batch = dataclasses.replace(b, tokens=keep(b.tokens, 0), positions=keep(b.positions, -1),
+                                    slots=keep(b.slots, -1),
+                                    num_logit_rows=keep(b.num_logit_rows, 0),
+                                    with_logprobs=first & b.with_logprobs)
+        draft = None if self.draft is None else tuple(
+            keep(x, fill) for x, fill in zip(self.draft, (0, -1, -1)))
+        return Host(batch, draft, keep(self.rows, 0), self.running)
+
+
+def _after(n, head, tail):
+    """``head``'s first ``n`` (traced) entries, then ``tail``'s from its first on (pytrees of
+    arrays of one length, which the result keeps)."""
+    def merge(h, t):
+        i = jnp.arange(h.shape[0])
+        return jnp.where(i < n, h, jnp.take(t, jnp.maximum(i - n, 0), axis=0, mode="clip"))
+    return jax.tree.map(merge, head, tail)
 
 
 def _finish(st: State, drawn, v, cfg: Config, laid, with_logprobs: bool):
@@ -303,22 +344,24 @@ def _finish(st: State, drawn, v, cfg: Config, laid, with_logprobs: bool):
     k1 = spec.num_speculative_tokens + 1 if spec else 1
     report = None
     if with_logprobs:         # entry r (slot order[r]) has logit rows at[r]: its own k + 1
-        at = (jnp.arange(s)[:, None] if spec is None else
+        at = (logit_first[:, None] if spec is None else
               logit_first[:, None] + jnp.minimum(jnp.arange(k1)[None, :], k[:, None]))
         by_slot = lambda x: jnp.zeros((s, k1, *x.shape[1:]), x.dtype).at[order].set(
             jnp.take(x, at, axis=0, mode="clip"))
         report = tuple(map(by_slot, (drawn.logprob, drawn.rank, drawn.top_ids, drawn.top_logprobs)))
     if v is None:
         zero = jnp.zeros(s, jnp.int32)
-        tokens = jnp.take(drawn.tokens, jnp.arange(s), mode="clip")   # entry e's row e; live first
+        tokens = jnp.take(drawn.tokens, logit_first, mode="clip")   # live entries first
         return _commit(st, order, live, tokens[:, None], live.astype(jnp.int32), zero,
                        zero), report
     return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted), report
 
 
-def _spec_k(st: State, cfg: Config, order, live, length, plen):
+def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0):
     """Each entry's drafts this round (``drafts_for``; adaptive_k reads its acceptance so far),
-    0 for the entries that are not live."""
+    0 for the entries that are not live, whose request does not draft, or whose pages do not
+    hold its k drafts (the engine's host grows them first, when it can); the speculation
+    threshold counts the live entries and ``running`` more."""
     spec = cfg.speculative_config
     p = st.progress
     _, _, budget = accept.left(st.table, order, length, plen, cfg.max_model_len)
@@ -327,7 +370,9 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen):
     if table is not None:            # adaptive_k: each row's k from its own acceptance so far
         k_max = adaptive_k(table, p.drafted[order], p.accepted[order], jnp)
     k = drafts_for(k_max, budget, length, spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
-    return jnp.where(live & spec.speculates_at(jnp.sum(live.astype(jnp.int32))), k, 0)
+    room = jnp.sum(st.block_tables[order] != 0, axis=1) * cfg.block_size - length
+    on = spec.speculates_at(jnp.sum(live.astype(jnp.int32)) + running)
+    return jnp.where(live & p.drafts[order] & on & (k <= room), k, 0)
 
 
 def _packed_logit_rows(order, live, length, plen, first, k, r: int):
@@ -348,22 +393,27 @@ def _packed_logit_rows(order, live, length, plen, first, k, r: int):
 
 
 def _spec_batch(st: State, cfg: Config, order, live, length, last, first, k, logit_first,
-                na: int | None = None) -> SpecBatch:
+                na: int | None = None, host=None) -> SpecBatch:
     """The speculating rows of a round (``order``: live rows first, each with its verify rows
     from ``first`` and its logit rows from ``logit_first``, by its ``k``) and the draft model's
-    rows at L-2, L-1 (in ``na`` rows if given)."""
+    rows at L-2, L-1 (in ``na`` rows if given), after the ``host``'s draft rows (``Host``)."""
     s = order.shape[0]
     plen = st.progress.prompt_len[order]
     slot = jnp.where(live, order, -1)
-    two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile, rows=na)
+    mine = host is not None and host.draft is not None       # the draft model's prefill rows
+    two, na = sharding.slot_rows(slot, live, s, cfg.draft_mesh, 2, cfg.row_tile, rows=na,
+                                 after=host.rows if mine else None)
     prev = st.history[order, jnp.maximum(length - 2, 0)]
-    put = lambda fill, a, b: (jnp.full(na, fill, jnp.int32).at[two].set(a, mode="drop")
-                              .at[two + 1].set(b, mode="drop"))
+    base = lambda fill, i: host.draft[i] if mine else jnp.full(na, fill, jnp.int32)
+    put = lambda fill, i, a, b: (base(fill, i).at[two].set(a, mode="drop")
+                                 .at[two + 1].set(b, mode="drop"))
     on = lambda x: jnp.where(live, x, -1)
     return SpecBatch(slots=slot, length=jnp.where(live, length, 0), prompt_len=plen, k=k,
-                     verify_row=first, verify_logit=logit_first, draft_tokens=put(0, prev, last),
-                     draft_positions=put(-1, on(length - 2), on(length - 1)),
-                     draft_slots=put(-1, slot, slot), draft_last=jnp.minimum(two + 1, na - 1))
+                     verify_row=first, verify_logit=logit_first,
+                     draft_tokens=put(0, 0, prev, last),
+                     draft_positions=put(-1, 1, on(length - 2), on(length - 1)),
+                     draft_slots=put(-1, 2, slot, slot),
+                     draft_last=jnp.minimum(two + 1, na - 1))
 
 
 def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
@@ -375,7 +425,7 @@ def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
 
 
 def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, until_one_ends=False,
-               with_logprobs=False, host=None, from_host=False):
+               with_logprobs=False, host: Host | None = None):
     """Up to ``num_rounds`` (traced, at most the static ``max_rounds``) rounds, stopping as soon as
     every row is done, or (``until_one_ends``, traced) once any row that was live has ended;
     weights as ``_weights`` returns them. Returns (state, rounds run, per round and row the
@@ -385,11 +435,10 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     top 20), W = max_rounds * (k + 1), else None, None; and the last round's drawn rows and
     ``Verified``): the engine's calls (``engine.rounds.call``).
 
-    ``host``: a (``StepBatch``, ``SpecBatch`` or None) the caller laid out. Every round is laid
-    out in its shapes (``_layout``), and with ``from_host`` (traced) the call runs it as its one
-    round instead, for rows the state does not hold (every row of ``state`` done): the caller
-    reads that round's drawn rows and ``Verified``. One program then runs a caller's round and
-    the device's, traced once."""
+    ``host``: rows the caller laid out (``Host``: the engine's prefill chunks), run in the first
+    round beside the live rows (which follow them); every round is laid out in its shapes. The
+    caller reads the host rows' draws from the drawn rows (the last round's: a call with host
+    rows runs one round, or more that add only live rows)."""
     b = state.progress.length.shape[0]
     rec = jnp.zeros((max_rounds, b), jnp.int32)
     spec = cfg.speculative_config
@@ -397,15 +446,13 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     width = max_rounds * k1
     shape = (b, width, 1 + sampling_params.MAX_LOGPROBS) if with_logprobs else (b, 0)
     ids, vals = jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
-    laid_in = None if host is None else (host[0].tokens.shape[0], host[0].logit_rows.shape[0],
-                                         None if host[1] is None else host[1].draft_tokens.shape[0])
+    laid_in = None if host is None else (
+        host.batch.tokens.shape[0], host.batch.logit_rows.shape[0],
+        None if host.draft is None else host.draft[0].shape[0])
 
     def one(i, st):
-        if host is None:
-            batch, sb, laid = _layout(st, cfg, with_logprobs)
-        else:                         # the caller's rows instead, in its call's one round
-            batch, sb, laid = lax.cond(from_host & (i == 0), lambda st: (*host, _idle(st, cfg)),
-                                       lambda st: _layout(st, cfg, with_logprobs, laid_in), st)
+        mine = None if host is None else host.only_first(i == 0)
+        batch, sb, laid = _layout(st, cfg, with_logprobs, laid_in, mine)
         new, drawn, v = round_step(w, dw, st, batch, sb, run=cfg)
         return _finish(new, drawn, v, cfg, laid, with_logprobs), (drawn, v)
 
@@ -423,7 +470,7 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     last = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
                         jax.eval_shape(lambda st: one(jnp.int32(0), st)[1], state))
     was_live = ~state.done
-    first = (from_host & (host is not None))
+    first = False if host is None else jnp.any(host.rows > 0)    # the host's rows: a round
     more = lambda c: ((c[0] < jnp.minimum(num_rounds, max_rounds))
                       & ((first & (c[0] == 0)) | jnp.any(~c[1].done))
                       & ~(until_one_ends & jnp.any(c[1].done & was_live)))

@@ -3,9 +3,9 @@ speculation draft -> verify -> accept -> rollback with k >= 1, and prefill chunk
 the same ragged batch.
 
 Rows of the step: prefill chunks (and rows that don't speculate) as in a plain step, plus for each
-speculating slot K + 1 verify rows ``[last token, d_1 .. d_K]`` at positions ``L-1 .. L-1+K``. The
-host (the engine) or the device (``sfjax.functional``) lays the verify rows out with their
-positions; the round fills in the drafts and turns the rows past a slot's own k into padding.
+speculating slot its k + 1 verify rows ``[last token, d_1 .. d_k]`` at positions ``L-1 .. L-1+k``,
+which ``sfjax.functional._layout`` lays out on the device (after the engine's host's prefill
+rows); the round fills in the drafts and turns the rows past the proposer's k into padding.
 Rollback is a length: the caller moves its length by what was emitted, and K/V written past it is
 dead (never attended, overwritten later).
 
@@ -123,9 +123,9 @@ def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
     everything else on whole arrays.
 
     Logit rows: the prefill completions and prompt logprobs, then each speculating slot's
-    k + 1 verify rows from its ``spec.verify_logit`` (the host lays them out K + 1 apart,
-    ``sfjax.functional`` packed, by each slot's own k). Returns (state, drawn [R], ``Verified``,
-    or None for plain decoding). The round leaves the progress to its caller.
+    k + 1 verify rows from its ``spec.verify_logit`` (packed, by each slot's own k). Returns
+    (state, drawn [R], ``Verified``, or None for plain decoding). The round leaves the progress
+    to its caller.
     """
     cfg, rc, row_tile, mesh = run.model, run.round, run.row_tile, run.mesh
     draft_cache = state.draft_cache

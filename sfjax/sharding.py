@@ -10,9 +10,9 @@ over ``data``: each shard holds num_kv_blocks / dp pages, its own page 0 its nul
 host allocates a slot's pages from its shard's allocator (``engine.allocator.ShardedAllocator``), so block
 tables hold local page ids. A step's rows come laid out by shard: dp equal contiguous segments of
 whole row tiles, segment d holding only rows of shard d's slots (and padding), so each shard
-writes and reads only its own pages and no K/V crosses ``data``. The host lays out the engine's
-steps (``engine.speculation.pack``); steps laid out on the device place their rows with
-``slot_rows``. The history, block tables and sampling run replicated.
+writes and reads only its own pages and no K/V crosses ``data``. The engine's host lays out its
+prefill chunks so (``engine.batch.pack``); the device places the decoding slots' rows after them
+with ``slot_rows``. The history, block tables and sampling run replicated.
 
 Exactness (docs/design.md §1.2: a row's bits must not depend on how it was computed). A split contraction
 followed by an all-reduce (Megatron's row-parallel o_proj and down_proj) changes the summation
@@ -231,7 +231,7 @@ def validate_slots(max_num_seqs: int, mesh: Mesh | None) -> None:
 
 
 def slot_rows(slots, live, num_slots: int, mesh: Mesh | None, rows_per_slot: int, row_tile: int,
-              counts=None, rows: int | None = None):
+              counts=None, rows: int | None = None, after=None):
     """Rows on the device for entries of ``rows_per_slot`` consecutive rows each (entry e is slot
     ``slots[e]``, int32 [E], where ``live``), laid out by data shard: shard d's segment holds its
     live entries packed in entry order. Returns (first row of each entry int32 [E], rows in all).
@@ -243,11 +243,14 @@ def slot_rows(slots, live, num_slots: int, mesh: Mesh | None, rows_per_slot: int
     another within its segment, so the padding is all at the segment's end (where the tile loops
     skip it); an entry that is not live starts at the row count then, on one shard too.
     ``rows``: the rows in all instead (dp segments of rows / dp), a bucket whose segments hold
-    every shard's live entries' rows (rows past it are dropped by the scatters)."""
+    every shard's live entries' rows (rows past it are dropped by the scatters). ``after`` (int32
+    [dp]): rows at the head of each segment that are taken already (the engine's host rows of
+    the round); the entries follow them."""
     e, dp = slots.shape[0], dp_of(mesh)
     tiles = lambda n: -(-n // row_tile) * row_tile
     if dp == 1 and counts is None:
-        return jnp.arange(e, dtype=jnp.int32) * rows_per_slot, rows or tiles(e * rows_per_slot)
+        first = jnp.arange(e, dtype=jnp.int32) * rows_per_slot
+        return (first if after is None else first + after[0]), rows or tiles(e * rows_per_slot)
     per = num_slots // dp
     seg = (rows // dp if rows else tiles(per * rows_per_slot) if dp > 1
            else tiles(e * rows_per_slot))
@@ -256,6 +259,8 @@ def slot_rows(slots, live, num_slots: int, mesh: Mesh | None, rows_per_slot: int
     mine = (shard[:, None] == jnp.arange(dp)[None, :]).astype(jnp.int32) * jnp.reshape(size, (-1, 1))
     before = jnp.cumsum(mine, axis=0) - mine           # rows of each shard's entries before e
     rank = jnp.take_along_axis(before, jnp.minimum(shard, dp - 1)[:, None], axis=1)[:, 0]
+    if after is not None:
+        rank = rank + after[jnp.minimum(shard, dp - 1)]
     first = jnp.where(live, shard * seg + rank, dp * seg)
     return first.astype(jnp.int32), dp * seg
 

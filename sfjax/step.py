@@ -24,14 +24,15 @@ class Progress:
     """Per slot, where the rounds the device lays out start from; int32 [slots] each (``live``
     bool). The rounds (``sfjax.functional``) advance the live slots' rows and end them. The
     engine's host sends a slot's row only when it differs from what the device holds
-    (``sfjax.engine.slots``): an admission, an end, a round the host laid out."""
+    (``sfjax.engine.slots``): an admission, an end, a stop string."""
     prompt_len: jax.Array
     length: jax.Array        # prompt + output tokens so far
     last: jax.Array          # the newest token (the history holds it at length - 1 once fed)
-    live: jax.Array          # bool: the device lays out this slot's rows (not ended, not empty)
+    live: jax.Array          # bool: the device lays out this slot's rows (it decodes)
     drafted: jax.Array       # the request's draft tokens so far (adaptive_k reads them)
     accepted: jax.Array      # its accepted drafts that were emitted
     spec_rounds: jax.Array   # its rounds that drafted (vLLM's num_drafts)
+    drafts: jax.Array        # bool: its request drafts (its strategy is the round's, not plain)
 
     @classmethod
     def start(cls, prompt_len) -> "Progress":
@@ -39,13 +40,14 @@ class Progress:
         array of its own: a call outside jit donates them)."""
         zeros = lambda: jnp.zeros_like(prompt_len)
         return cls(prompt_len=jnp.array(prompt_len), length=jnp.array(prompt_len), last=zeros(),
-                   live=prompt_len > 0, drafted=zeros(), accepted=zeros(), spec_rounds=zeros())
+                   live=prompt_len > 0, drafted=zeros(), accepted=zeros(), spec_rounds=zeros(),
+                   drafts=prompt_len > 0)
 
     @classmethod
     def of_rows(cls, rows: np.ndarray) -> "Progress":
-        """The progress of int32 rows [U, 6], one column per field in order (the host's form:
+        """The progress of int32 rows [U, 8], one column per field in order (the host's form:
         ``sfjax.engine.slots``)."""
-        return cls(*(rows[:, i].astype(bool if name == "live" else np.int32)
+        return cls(*(rows[:, i].astype(bool if name in ("live", "drafts") else np.int32)
                      for i, name in enumerate(PROGRESS_FIELDS)))
 
 

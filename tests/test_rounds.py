@@ -4,10 +4,12 @@ that need the host between tokens, and a cache too small for the rounds."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from sfjax import LLM, SamplingParams, toy
 from sfjax.engine.engine import EngineConfig
+from sfjax.engine.slots import LENGTH, LIVE
 from engine_checks import check_engine, check_idle
 
 GEOMETRY = dict(max_num_seqs=4, max_model_len=64, row_tile=8)
@@ -213,3 +215,73 @@ def test_penalised_rejection_sampling_repeats_across_rounds_and_slot_reuse(model
         check_idle(llm.engine)
     assert all(r == runs[0] for r in runs), runs
     assert all(d > 0 and a == d for d, a in runs[0][1]), runs[0][1]
+
+
+def _spy_calls(eng):
+    """Records, per device call, the host's rows (slot, position pairs), the slots its progress
+    marks live and their lengths: ``Engine._call`` wrapped on the instance."""
+    calls, call = [], eng._call
+
+    def spy(batch, sb, rows, progress, *args, **kwargs):
+        real = np.asarray(batch.slots) >= 0
+        live = [] if progress is None else np.flatnonzero(progress[:, LIVE]).tolist()
+        calls.append((list(zip(np.asarray(batch.slots)[real].tolist(),
+                               np.asarray(batch.positions)[real].tolist())), list(rows), live,
+                      [] if progress is None else progress[live, LENGTH].tolist()))
+        return call(batch, sb, rows, progress, *args, **kwargs)
+
+    eng._call = spy
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram", "draft"])
+def test_host_lays_out_only_prefill_chunks(tiny_folder, folders, kind):
+    """With a token budget of 8, long prompts arrive in chunks while others decode: every call's
+    host rows are prefill rows only (no live slot's, none at a decoding position), their count
+    per data shard is what the call says, some calls carry both prefill rows and live decode
+    slots, and the tokens and counters equal an engine whose prompts fit one step."""
+    spec = _spec(kind, folders)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 480 + 2 for j in range(5 + 5 * i)]}
+               for i in range(4)]
+    params = [dataclasses.replace(p, max_tokens=24) for p in _params()[:4]]
+    roomy = LLM(tiny_folder, **GEOMETRY, max_num_batched_tokens=64, num_scheduler_steps=1,
+                speculative_config=spec)
+    want = _tokens_and_counts(roomy.generate(prompts, params, use_tqdm=False)) if spec else \
+        [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_folder, **GEOMETRY, max_num_batched_tokens=8, speculative_config=spec)
+    calls = _spy_calls(llm.engine)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    got = _tokens_and_counts(outs) if spec else [o.outputs[0].token_ids for o in outs]
+    assert got == want
+    mixed = 0
+    for host, rows, live, lengths in calls:
+        assert len(host) == sum(rows) <= 8
+        assert not {slot for slot, _ in host} & set(live), "a live slot's row laid out on the host"
+        mixed += bool(host and live)
+    assert mixed > 0, "no call had both prefill chunks and decoding slots"
+    check_idle(llm.engine)
+
+
+def test_a_row_whose_pages_do_not_hold_its_drafts_drafts_none(tiny_folder, folders):
+    """A cache so small that a decoding row's pages often cannot grow for its k drafts: the
+    device drafts none for it that round (its pages hold only its next token), and the tokens
+    equal a roomy plain engine's."""
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=52, ignore_eos=True)
+              for i in range(4)]
+    ref = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=1).generate(PROMPTS[:4], params,
+                                                                        use_tqdm=False)
+    tight = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=1, block_size=8,
+                num_kv_blocks=1 + 24, speculative_config=_spec("ngram", folders))
+    refused, grow = [], tight.engine.scheduler.grow
+
+    def spy(req, upto):
+        ok = grow(req, upto)
+        if not ok and upto > req.num_tokens:
+            refused.append(req.request_id)
+        return ok
+
+    tight.engine.scheduler.grow = spy
+    got = tight.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert refused, "no row's pages were refused growth for its drafts"
+    check_idle(tight.engine)

@@ -13,9 +13,9 @@ from sfjax.engine.batch import bucket
 
 def shape_buckets(engine) -> list[tuple]:
     """Every (kind, N, R, draft rows) a call of this engine can take: its one program's shape
-    buckets (a host round's, in which the device rounds run too; ``Engine._rounds_shape``), and
-    the rounds with logprobs (in the bucket of every slot's rows). Prompt-logprob rows beyond
-    ``max_num_seqs`` draws, and sampling lists longer than ``sampling.MIN_LIST_WIDTHS``
+    buckets (the host's rows and the device's after them; ``Engine._shape``), and the rounds
+    with logprobs (in one bucket that holds any call's rows). Prompt-logprob rows
+    beyond ``max_num_seqs`` draws, and sampling lists longer than ``sampling.MIN_LIST_WIDTHS``
     (min_tokens stop ids, logit_bias, allowed_token_ids), add shapes not listed here. Over dp
     data shards N is dp segments of a bucketed length (``batch.pack``), any shard taking the
     whole token budget."""
@@ -34,9 +34,9 @@ def shape_buckets(engine) -> list[tuple]:
         ns = [dp * n for n in span(per_shard * k1,
                                    c.max_num_batched_tokens + per_shard * engine.spec.k_max)]
         rs = span(verify, verify + max_draws)
-        ds = lambda n: [n, 2 * n] if engine.spec.draft_cfg is not None else [tile]
+        ds = lambda n: [n, 2 * n] if engine.spec.draft_cfg is not None else [0]
         out += [("round", n, r, d) for n in ns for r in rs for d in ds(n)]
-    out.append(("logprobs", *engine._rounds_shape([], True)))
+    out.append(("logprobs", *engine._shape([0] * dp, 0, [], True)))
     if engine.programs.forget is not None:                 # an EAGLE head's features dropped
         out.append(("forget", 0, 0, 0))
     if c.enable_prefix_caching:               # a cache hit's skipped tokens into the history
@@ -53,10 +53,8 @@ def precompile(engine, progress: bool = True) -> float:
     t0 = time.monotonic()
     for kind, n, r, d in tqdm(shape_buckets(engine), desc="Compiling shape buckets",
                               disable=not progress, dynamic_ncols=True):
-        if kind == "round":
-            engine._run_host(*engine._padding((n, r, d or None)))
-        elif kind == "logprobs":             # no rounds: the loop ends before one
-            engine._run_rounds((n, r, d), None, 0, with_logprobs=True)
+        if kind in ("round", "logprobs"):    # no rounds: the loop ends before one
+            engine._run_padding((n, r, d or None), with_logprobs=kind == "logprobs")
         elif kind == "slots":                # updates of the device's slot rows
             engine.state = engine.programs.update_slots(engine.state, *engine.slots.padding(n))
         elif kind == "history":              # nothing written: positions < 0

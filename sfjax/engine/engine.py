@@ -6,8 +6,8 @@ the jobs around them have their modules: ``scheduler`` (chunked prefill, preempt
 caching), ``allocator`` (KV pages), ``batch`` (a plan's rows, packed by data shard, and their
 sampling arrays), ``output`` (tokens into requests, detokenization, stops, RequestOutputs),
 ``speculation`` (the draft model, per-row k, counters), ``rounds`` (the one program every call
-runs: a round the host laid out, or rounds the device lays out), ``programs`` (the compiled
-programs this engine owns) and ``compile`` (shape buckets, precompile)."""
+runs: rounds the device lays out, the first after the host's prefill rows), ``programs`` (the
+compiled programs this engine owns) and ``compile`` (shape buckets, precompile)."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ from sfjax.outputs import RequestOutput, merge_outputs
 from sfjax.run import RunConfig, check_settings
 from sfjax.sampling_params import SamplingParams
 from sfjax.engine import compile, programs, rounds, speculation
-from sfjax.engine.batch import BatchBuilder, bucket, draft_rows, layout, pack, spec_batch
+from sfjax.engine.batch import BatchBuilder, bucket, layout, pack
 from sfjax.engine.output import OutputProcessor
 from sfjax.engine.slots import LAST, LENGTH, SlotSync
 from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
-from sfjax.step import DeviceState, StepBatch
+from sfjax.step import DeviceState
 from sfjax.tokenizer import IncrementalDetokenizer
 from sfjax.weights import Weights
 
@@ -398,19 +398,43 @@ class Engine:
                     self.state = self.programs.forget(self.state, np.int32(s.request.slot))
         self.stats["steps"] += 1                 # device rounds
         self.stats["host_steps"] += 1            # calls that ran the device (several rounds each)
-        n_rounds = self._rounds_for(plan)
-        if n_rounds:
-            return self._rounds_step(plan, n_rounds)
-        if self.spec:
-            return self._spec_step(plan, self._speculating(plan))
-        def build(n, r, _):
-            batch, meta, _ = self.batches.build(plan, min_rows=n, min_logit_rows=r)
-            return batch, None, meta
-        batch, _, meta = self._in_bucket(build)
-        drawn = jax.device_get(self._run_host(batch, None)[0])
-        for s in plan:
+        decode = [s.request for s in plan if self._is_decode(s)]
+        prefill = [s for s in plan if not self._is_decode(s)]
+        num_rounds = self._rounds_for(plan, decode, prefill)
+        progress = np.zeros_like(self.slots.progress)        # every other slot: not live
+        for req in decode:            # its row (slots.PROGRESS_FIELDS); adaptive_k reads drafts
+            m = req.spec_metrics or speculation.SpecMetrics()
+            progress[req.slot] = (len(req.prompt_token_ids), req.num_tokens,
+                                  req.output_token_ids[-1], 1, m.num_draft_tokens,
+                                  m.num_accepted_tokens, m.num_drafts,
+                                  bool(self.spec) and req.strategy_slot == self.spec.slot)
+        # a request that speculates gets counters (zeros if it never drafts)
+        on = self.spec is not None and self.spec.config.speculates_at(len(self.scheduler.running))
+        speculating = {req.request_id for req in decode
+                       if on and self.spec.k_for(req, self.batches.budget(req)) > 0}
+        with_logprobs = any(req.params.logprobs is not None for req in decode)
+        batch, sb, meta, rows = self._host_rows(prefill, decode, with_logprobs)
+        out, logprobs, drawn = self._call(batch, sb, rows, progress, num_rounds,
+                                          bool(self.scheduler.waiting), with_logprobs,
+                                          len(self.scheduler.running) - len(decode), bool(meta))
+        for s in prefill:
             self.scheduler.set_computed(s.request, s.start + s.count)
-        return self._read_rows(meta, drawn, 0)
+        outputs = self._read_rows(meta, drawn, 0) if meta else []
+        n, tokens, new_len, drafted, accepted = rounds.unpack(out, self.programs.max_rounds)
+        for req in decode:       # what the rounds left on the device (new tokens, counters)
+            at, length = req.slot, int(new_len[req.slot])
+            grew = length - progress[at, LENGTH]
+            self.slots.advanced(at, length, tokens[at, grew - 1] if grew else progress[at, LAST],
+                                drafted[:n, at], accepted[:n, at])
+        self.stats["steps"] += n - 1                        # device rounds
+        for req in decode:
+            read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
+                                             drafted[:n, req.slot], accepted[:n, req.slot],
+                                             req.request_id in speculating,
+                                             req.params.logprobs is not None and
+                                             rounds.unpack_logprobs(logprobs, req.slot))
+            outputs.append(self._guarded(req, read))
+        return [o for o in outputs if o is not None]
 
     def _read_rows(self, meta, drawn, first: int) -> list[RequestOutput]:
         """Prompt logprobs and drawn tokens of the logit rows from ``first`` on."""
@@ -441,145 +465,37 @@ class Engine:
             self._fail(req, e)
             return None
 
-    # -- speculation ---------------------------------------------------------------------------
-
     def _is_decode(self, s: Scheduled) -> bool:
         return s.count == 1 and s.start == s.request.num_tokens - 1 and bool(s.request.output_token_ids)
 
-    def _speculating(self, plan: list[Scheduled]) -> dict[int, int]:
-        """Plan entry -> k (> 0) for the decode rows that draft this round; reserves their blocks."""
-        on = self.spec.config.speculates_at(len(self.scheduler.running))
-        out = {}
-        for i, s in enumerate(plan):
-            req = s.request
-            if not on or not self._is_decode(s):
-                continue
-            k = self.spec.k_for(req, self.batches.budget(req))
-            if k > 0 and self.scheduler.grow(req, req.num_tokens + k):
-                out[i] = k
-        return out
+    # -- the one program -------------------------------------------------------------------------
 
-    def _spec_step(self, plan: list[Scheduled], spec_k: dict[int, int]) -> list[RequestOutput]:
-        spec, k1 = self.spec, self.spec.k_max + 1
-        order = sorted(spec_k)
-        n_slots = self.config.max_num_seqs            # fixed: the composition never changes a shape
-        verify_meta = []
-        for r in range(n_slots):
-            req = plan[order[r]].request if r < len(order) else None
-            verify_meta += [(req, -1, j) for j in range(k1)]
-        rows, decode = layout(plan, spec_k, spec.k_max), {
-            i for i, s in enumerate(plan) if self._is_decode(s)}
-
-        def build(n, r, na):
-            batch, meta, first = self.batches.build(plan, rows, verify_meta, set(order), k1,
-                                                    max(n, n_slots * k1), r)
-            draft, n_draft = ([], [], [], {}), self.config.row_tile   # n-gram: no draft model
-            if spec.draft_cfg is not None:
-                # the draft pass takes the target's row count (padding tiles cost nothing), or the
-                # next bucket when many plain decode rows (two draft rows each) overflow it
-                *d_rows, d_first = pack(draft_rows(plan, decode), self.batches.shards(plan),
-                                        self.dp, self.config.row_tile, max(len(batch.tokens), na))
-                draft, n_draft = (*d_rows, {i: d_first[i] + 1 for i in decode}), len(d_rows[0])
-            sb = spec_batch(plan, spec_k, {i: first[i] for i in order}, draft, n_slots, n_draft,
-                            len(meta) - len(verify_meta), k1)
-            return batch, sb, meta
-
-        batch, sb, meta = self._in_bucket(build)
-        start = len(meta) - len(verify_meta)
-        drawn, v = jax.device_get(self._run_host(batch, sb))
-        for i, s in enumerate(plan):
-            if i not in spec_k:
-                self.scheduler.set_computed(s.request, s.start + s.count)
-        outputs = []
-        for r, i in enumerate(order):
-            req = plan[i].request
-            read = lambda: self._read_verified(req, drawn, start + r * k1, v.tokens[r],
-                                               int(v.emitted[r]), int(v.drafted[r]),
-                                               int(v.accepted[r]))
-            outputs.append(self._guarded(req, read))
-        return self._read_rows(meta[:start], drawn, 0) + [o for o in outputs if o is not None]
-
-    def _read_verified(self, req: Request, drawn, row: int, out, n: int, drafted: int,
-                       accepted: int) -> RequestOutput:
-        """A speculating request's round: its ``n`` emitted tokens (verify rows from ``row``)."""
-        length = req.num_tokens
-        new = []
-        for j in range(n):
-            token = int(out[j])
-            lp = self.outputs.logprob_entry(req, drawn, row + j, -1, token)
-            new.append(token)
-            if self.outputs.append(req, token, lp):      # a stop string may end it early
-                break
-        if req.status is not Status.FINISHED:
-            # rollback: a length, nothing else. K/V is valid for the round's input token
-            # and the accepted drafts
-            self.scheduler.set_computed(req, length - 1 + n)
-        # accepted drafts count only as far as they were emitted
-        if req.spec_metrics is None:
-            req.spec_metrics = speculation.SpecMetrics()
-        for m in (self.spec.metrics, req.spec_metrics):
-            m.add(drafted, min(accepted, len(new)))
-        return self.outputs.output(req, new_token_ids=new)
-
-    # -- rounds the device lays out, and the one program ---------------------------------------
-
-    def _rounds_for(self, plan: list[Scheduled]) -> int:
-        """Rounds the device lays out in this call (0: the host lays out its one round). The
-        device does when every running request decodes, each is ``rounds.eligible`` (the
-        engine's own strategy), and the free blocks hold every request's growth over the rounds;
-        several (up to ``num_scheduler_steps``, fewer tried before one) only when no waiting
-        request has a free slot to be admitted to. With ``num_scheduler_steps=1`` the host lays
-        out every round (a call of device rounds costs more than the host's one round at small
-        batch on CPU). Reserves the blocks."""
-        sched = self.scheduler
-        r = 1 if sched.waiting and sched.has_free_slot() else self.config.num_scheduler_steps
-        slot = self.spec.slot if self.spec else 0
-        if self.config.num_scheduler_steps == 1 or len(plan) != len(sched.running) or not all(
-                self._is_decode(s) and rounds.eligible(s.request, slot) for s in plan):
-            return 0
+    def _rounds_for(self, plan: list[Scheduled], decode: list[Request],
+                    prefill: list[Scheduled]) -> int:
+        """Rounds the device lays out in this call, and their pages. Several (up to
+        ``num_scheduler_steps``, fewer tried before one) when every running request decodes, no
+        waiting request has a free slot to be admitted to, and the free blocks hold every
+        request's growth over the rounds; else one, each drafting row's pages grown for its k
+        drafts where they can be had (the device drafts none for a row whose pages do not hold
+        them, ``functional._spec_k``)."""
+        sched, steps = self.scheduler, self.config.num_scheduler_steps
         k1 = self.spec.k_max + 1 if self.spec else 1
         def upto(req, r):       # the round's K/V writes stay below prompt + max_tokens
             return min(req.num_tokens + r * k1, len(req.prompt_token_ids) + req.max_tokens)
-        while r > 1 and not sched.can_grow([(s.request, upto(s.request, r)) for s in plan]):
-            r //= 2
-        if not sched.can_grow([(s.request, upto(s.request, r)) for s in plan]):
-            return 0
-        for s in plan:
-            sched.grow(s.request, upto(s.request, r))
-        return r
-
-    def _rounds_step(self, plan: list[Scheduled], num_rounds: int) -> list[RequestOutput]:
-        reqs = [s.request for s in plan]
-        progress = np.zeros_like(self.slots.progress)        # every other slot: not live
-        for req in reqs:              # its row (slots.PROGRESS_FIELDS); adaptive_k reads drafts
-            m = req.spec_metrics or speculation.SpecMetrics()
-            progress[req.slot] = (len(req.prompt_token_ids), req.num_tokens,
-                                  req.output_token_ids[-1], 1, m.num_draft_tokens,
-                                  m.num_accepted_tokens, m.num_drafts)
-        with_logprobs = any(req.params.logprobs is not None for req in reqs)
-        out, logprobs = self._run_rounds(self._rounds_shape(reqs, with_logprobs), progress,
-                                         num_rounds, bool(self.scheduler.waiting), with_logprobs)
-        n, tokens, new_len, drafted, accepted = rounds.unpack(np.asarray(out),
-                                                              self.programs.max_rounds)
-        logprobs = None if logprobs is None else np.asarray(logprobs)
-        for req in reqs:         # what the rounds left on the device (new tokens, counters)
-            at, length = req.slot, int(new_len[req.slot])
-            grew = length - progress[at, LENGTH]
-            self.slots.advanced(at, length, tokens[at, grew - 1] if grew else progress[at, LAST],
-                                drafted[:n, at], accepted[:n, at])
-        self.stats["steps"] += n - 1                        # device rounds
-        # a request that speculates gets counters (zeros if it never drafts), as in a single step
-        speculating = {req.request_id for req in reqs if self.spec and self.spec.k_for(
-            req, self.batches.budget(req)) > 0}
-        outputs = []
-        for req in reqs:
-            read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
-                                             drafted[:n, req.slot], accepted[:n, req.slot],
-                                             req.request_id in speculating,
-                                             req.params.logprobs is not None and
-                                             rounds.unpack_logprobs(logprobs, req.slot))
-            outputs.append(self._guarded(req, read))
-        return [o for o in outputs if o is not None]
+        if steps > 1 and not prefill and len(plan) == len(sched.running):
+            r = 1 if sched.waiting and sched.has_free_slot() else steps
+            while r > 1 and not sched.can_grow([(req, upto(req, r)) for req in decode]):
+                r //= 2
+            if sched.can_grow([(req, upto(req, r)) for req in decode]):
+                for req in decode:
+                    sched.grow(req, upto(req, r))
+                return r
+        if self.spec is not None and self.spec.config.speculates_at(len(sched.running)):
+            for req in decode:
+                k = self.spec.k_for(req, self.batches.budget(req))
+                if k > 0:
+                    sched.grow(req, req.num_tokens + k)
+        return 1
 
     def _read_rounds(self, req: Request, tokens, new_len: int, drafted, accepted,
                      speculating: bool, drawn) -> RequestOutput:
@@ -605,8 +521,8 @@ class Engine:
 
     def _sync(self, progress=None) -> None:
         """Sends the slot rows that changed since the last call (``engine.slots``; with
-        ``progress``, a call of device rounds, its slots' progress too), then marks the call
-        dispatched: a failure from here on is the device call's."""
+        ``progress``, every slot's progress too), then marks the call dispatched: a failure from
+        here on is the device call's."""
         self.state = self.slots.sync(self.state, self.scheduler.running,
                                      self.programs.update_slots, progress)
         self._dispatched = True
@@ -625,69 +541,81 @@ class Engine:
                 and (na is None or holds(sh[2], na, draft_small))]
         return min(fits) if fits else shape
 
-    def _in_bucket(self, build):
-        """``build(rows, logit rows, draft rows)`` -> (batch, spec batch, ...) with at least that
-        many, built in the fewest, then again in ``_fit``'s bucket if that is larger."""
-        out = build(0, 0, 0)
-        shape = (len(out[0].tokens), len(out[0].logit_rows),
-                 None if out[1] is None else len(out[1].draft_tokens))
-        fit = self._fit(shape)
-        return out if fit == shape else build(*fit)
-
-    def _rounds_shape(self, reqs: list[Request], with_logprobs: bool) -> tuple:
-        """The (rows, logit rows, draft rows) a call of device rounds for ``reqs`` runs in: the
-        bucket a host round of them would take, or a larger one the engine has run (``_fit``);
-        with logprobs, the bucket of every slot's rows (that program is compiled once,
-        ``compile.shape_buckets``)."""
+    def _shape(self, rows: list[int], logit_rows: int, decode: list[Request],
+               with_logprobs: bool) -> tuple:
+        """The (rows, logit rows, draft rows) a call runs in: the host's ``rows`` per data shard
+        and ``logit_rows``, then ``decode``'s rows (a speculating engine's: every slot's k + 1),
+        bucketed, or a larger bucket the engine has run (``_fit``). With logprobs, one bucket
+        for every call: a whole token budget of host rows per shard, a draw per slot, then every
+        slot's rows (padding past the real rows costs nothing; that program is compiled once,
+        ``compile.shape_buckets``, unless prompt logprobs ask for more logit rows)."""
         c, dp, tile = self.config, self.dp, self.config.row_tile
         load = [0] * dp
-        for req in reqs:
+        for req in decode:
             load[self.scheduler.shard_of(req.slot)] += 1
-        per = c.max_num_seqs // dp if with_logprobs else max(load)
+        if with_logprobs:
+            load = [c.max_num_seqs // dp] * dp
+            rows = [max(h, c.max_num_batched_tokens) for h in rows]
+            logit_rows = max(logit_rows, c.max_num_seqs)
+        k1 = self.spec.k_max + 1 if self.spec else 1
+        seg = max(h + per * k1 for h, per in zip(rows, load))
         if self.spec is None:
-            rows = c.max_num_seqs if with_logprobs else len(reqs)
-            shape = dp * bucket(max(per, 1), tile), bucket(max(rows, 1), tile), None
+            shape = (dp * bucket(max(seg, 1), tile),
+                     bucket(max(logit_rows + sum(load), 1), tile), None)
         else:
-            k1 = self.spec.k_max + 1
-            seg = bucket(max(per * k1, -(-c.max_num_seqs * k1 // dp)), tile)
-            na = dp * bucket(max(2 * per, seg), tile) if self.spec.draft_cfg is not None else tile
-            shape = dp * seg, bucket(c.max_num_seqs * k1, tile), na
+            seg = bucket(max(seg, -(-c.max_num_seqs * k1 // dp)), tile)
+            na = (dp * bucket(max(max(h + 2 * per for h, per in zip(rows, load)), seg), tile)
+                  if self.spec.draft_cfg is not None else None)
+            shape = dp * seg, bucket(logit_rows + c.max_num_seqs * k1, tile), na
         return shape if with_logprobs else self._fit(shape)
 
-    def _padding(self, shape: tuple):
-        """A batch (and spec batch) of padding rows in ``shape`` (``_rounds_shape``'s), built
-        once per shape (the calls do not donate them)."""
-        if shape not in self._pads:
-            n, r, na = shape
-            batch, _, _ = self.batches.build([], [], [(None, -1, 0)] * r, min_rows=n)
-            s, k1 = self.config.max_num_seqs, self.spec.k_max + 1 if self.spec else 1
-            self._pads[shape] = batch, None if self.spec is None else spec_batch(
-                [], {}, {}, ([], [], [], {}), s, na, r - s * k1, k1)
-        return self._pads[shape]
+    def _host_rows(self, prefill: list[Scheduled], decode: list[Request], with_logprobs: bool):
+        """The host's rows of a call: ``prefill``'s chunks packed by data shard, in the bucket
+        that holds them and ``decode``'s rows after them (``_shape``); for a draft model the same
+        rows in its row count. Returns (batch, draft rows or None, the logit rows' meta, the rows
+        per data shard)."""
+        rows = [0] * self.dp
+        for s in prefill:
+            rows[self.scheduler.shard_of(s.request.slot)] += s.count
+        if not prefill:
+            shape = self._shape(rows, 0, decode, with_logprobs)
+            if shape not in self._pads:        # built once per shape (calls do not donate them)
+                self._pads[shape] = self._build([], shape)
+            return (*self._pads[shape], rows)
+        _, _, meta = self._build(prefill, (0, 0, 0))
+        return (*self._build(prefill, self._shape(rows, len(meta), decode, with_logprobs)), rows)
 
-    def _run_rounds(self, shape: tuple, progress, num_rounds: int, until_one_ends: bool = False,
-                    with_logprobs: bool = False):
-        """Device rounds (``rounds.call``) for the live slots of ``progress`` (every slot's row,
-        as ``SlotSync.progress``, sent where it differs from the device's; None: the device's as
-        it is), in ``shape``: (out, logprobs)."""
-        out, logprobs, _, _ = self._call(*self._padding(shape), progress, num_rounds,
-                                         until_one_ends, False, with_logprobs)
-        return out, logprobs
+    def _build(self, prefill: list[Scheduled], shape: tuple):
+        """``prefill``'s rows in at least ``shape``: (batch, the draft model's copy of its rows
+        or None, meta)."""
+        n, r, na = shape
+        batch, meta, _ = self.batches.build(prefill, min_rows=n, min_logit_rows=r)
+        if self.spec is None or self.spec.draft_cfg is None:
+            return batch, None, meta
+        return batch, pack(layout(prefill), self.batches.shards(prefill), self.dp,
+                           self.config.row_tile, na or 0)[:3], meta
 
-    def _run_host(self, batch: StepBatch, sb):
-        """The host's round (``batch``, and a speculating engine's ``sb``): (drawn, verified)."""
-        return self._call(batch, sb, None, 1, False, True, False)[2:]
-
-    def _call(self, batch, sb, progress, num_rounds, until_one_ends, from_host, with_logprobs):
+    def _call(self, batch, draft, rows, progress, num_rounds, until_one_ends, with_logprobs,
+              running=0, read_drawn=False):
+        """The engine's one program (``rounds.call``) on the host's rows and the slots
+        ``progress`` marks live (every slot's row, as ``SlotSync.progress``, sent where it
+        differs from the device's; None: the device's as it is): (out, logprobs, drawn, on
+        the host; drawn only with ``read_drawn``)."""
         self._sync(progress)
         program = self.programs.round_logprobs if with_logprobs else self.programs.round
-        self.state, *out = program(
-            self.weights, self.spec.draft_weights if self.spec else None, self.state, batch, sb,
-            np.int32(num_rounds), np.bool_(until_one_ends), np.bool_(from_host))
+        self.state, out, logprobs, drawn = program(
+            self.weights, self.spec.draft_weights if self.spec else None, self.state, batch, draft,
+            np.asarray(rows, np.int32), np.int32(running), np.int32(num_rounds),
+            np.bool_(until_one_ends))
         if not with_logprobs:
             self._shapes.add((len(batch.tokens), len(batch.logit_rows),
-                              None if sb is None else len(sb.draft_tokens)))
-        return out
+                              None if draft is None else len(draft[0])))
+        return jax.device_get((out, logprobs, drawn if read_drawn else None))
+
+    def _run_padding(self, shape: tuple, with_logprobs: bool = False) -> None:
+        """A call of no rows and no rounds in ``shape`` (compiles its program: ``precompile``)."""
+        batch, draft, _ = self._build([], shape)
+        self._call(batch, draft, [0] * self.dp, None, 0, False, with_logprobs)
 
     # -- compiling ahead -----------------------------------------------------------------------
 

@@ -37,9 +37,9 @@ _recent: collections.OrderedDict = collections.OrderedDict()
 class Programs:
     """The jitted programs of one engine shape; each DONATES the state (and draft cache) it
     takes. ``round`` is the engine's one program (``rounds.call``, over ``round.round_step``):
-    a round the host laid out, or up to ``num_scheduler_steps`` rounds the device lays out, in
-    one shape bucket; ``round_logprobs`` is the same, recording the device rounds' tokens'
-    logprobs."""
+    up to ``num_scheduler_steps`` rounds the device lays out (the first after the host's
+    prefill rows), in one shape bucket; ``round_logprobs`` is the same, recording the rounds'
+    tokens' logprobs."""
     round: Callable
     round_logprobs: Callable
     write_history: Callable     # (state, slot, row, n) -> state

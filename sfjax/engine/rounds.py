@@ -1,15 +1,15 @@
-"""The engine's one program (``call``): a round the host laid out, or up to
-``num_scheduler_steps`` rounds the device lays out, both through ``sfjax.functional``'s rounds
-over the engine's own cache, history and blocks, traced once per shape bucket.
+"""The engine's one program (``call``): up to ``num_scheduler_steps`` rounds the device lays
+out for the slots its progress marks live, the first of them with the rows the host laid out
+(prefill chunks) ahead of theirs, through ``sfjax.functional``'s rounds over the engine's own
+cache, history and blocks, traced once per shape bucket.
 
-When every running request decodes, the device lays out its rows itself (``functional._layout``)
-in a bucket the engine has compiled (``Engine._rounds_shape``): one round per call while a
-waiting request could be admitted, else up to ``num_scheduler_steps`` in one ``lax.while_loop``,
-left once every row has ended, or once one has while others wait for a slot. Steps with prefill
-chunks (or a request that opted out of the engine's strategy) run the host's rows
-(``from_host``) as the call's one round, in the same program. Each row's bits do not depend on
-the layout (row tiles), and draws use the same counter keys, so the tokens are the same either
-way; the host reads back only the new tokens.
+Every decoding request is a live slot: the device lays out its rows (``functional._layout``)
+after the host's, in a bucket the engine has compiled (``Engine._shape``). A call with host
+rows, or while a waiting request could be admitted, runs one round; else up to
+``num_scheduler_steps`` in one ``lax.while_loop``, left once every row has ended, or once one
+has while others wait for a slot. Each row's bits do not depend on the layout (row tiles), and
+draws use the same counter keys, so the tokens are the same either way; the host reads back
+only the new tokens and its own rows' draws.
 """
 
 from __future__ import annotations
@@ -23,19 +23,9 @@ import numpy as np
 from jax import lax
 
 from sfjax import functional as F
-from sfjax.engine.scheduler import Request
 from sfjax.run import RunConfig
 from sfjax.sampling import Drawn
-from sfjax.round import SpecBatch
 from sfjax.step import DeviceState, StepBatch
-
-
-def eligible(req: Request, strategy_slot: int) -> bool:
-    """Whether the device alone can run the request's rounds: its strategy is the engine's own
-    (a per-request opt-out decodes one step at a time). Stop strings are the host's: it reads the
-    rounds' tokens in order and drops those past the one that completes a stop string
-    (``taken``); logprobs come back with the tokens."""
-    return req.strategy_slot == strategy_slot
 
 
 def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
@@ -54,52 +44,51 @@ def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
 
 @functools.partial(jax.jit, static_argnames=("run", "max_rounds", "with_logprobs"),
                    donate_argnames=("state",))
-def call(weights, draft_weights, state: DeviceState, batch: StepBatch, spec: SpecBatch | None,
-         num_rounds, until_one_ends, from_host, *, run: RunConfig, max_rounds: int,
+def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tuple | None,
+         host_rows, running, num_rounds, until_one_ends, *, run: RunConfig, max_rounds: int,
          with_logprobs: bool = False):
-    """The engine's one program: a call of one round laid out by the host, or of up to
-    ``num_rounds`` rounds the device lays out for the slots its progress marks live
-    (``state.progress``, a ``step.Progress``), in the host batch's shapes
+    """The engine's one program: up to ``num_rounds`` rounds the device lays out for the slots
+    its progress marks live (``state.progress``, a ``step.Progress``), the first with the host's
+    rows ahead of theirs (``functional.Host``), in the host batch's shapes
     (``functional.run_rounds``, over the same state pytree). DONATES ``state``.
 
-    ``from_host``: run ``batch`` (and ``spec``, a speculating engine's) as the call's one round
-    (no slot live); the host reads its drawn rows and ``Verified``. Otherwise ``batch`` and
-    ``spec`` are padding of the bucket the rounds run in (one the engine has compiled, whose
-    shapes hold every live slot's rows), and ``until_one_ends``: return once any request ends
-    (others wait for its slot). A live slot's progress gives its prompt length, its length and
-    newest token (drawn, not yet fed: the engine's history records tokens as they are fed), and
-    its request's drafts and accepted drafts so far (adaptive_k reads them); the call advances
+    ``batch``: the host's rows, ``host_rows`` (int32 [dp]) at the head of each data shard's
+    segment (its prefill chunks; for a draft model ``draft``, the same rows' tokens, positions
+    and slots laid out alike in the draft's row count), its logit rows first, then padding; the shapes hold
+    every live slot's rows after them. ``running``: requests the speculation threshold counts
+    beyond the live slots. ``until_one_ends``: return once any request ends (others wait for
+    its slot). A live slot's progress gives its prompt length, its length and newest token
+    (drawn, not yet fed: the engine's history records tokens as they are fed), and its
+    request's drafts and accepted drafts so far (adaptive_k reads them); the call advances
     them. A row that ends stays live: the host reads the end back and sends the slot's next
-    row. ``with_logprobs`` (static: a
-    program of its own, so the rounds without it compute and carry nothing more): record each
-    new token's raw logprobs.
+    row. ``with_logprobs`` (static: a program of its own, so the rounds without it compute and
+    carry nothing more): record each new token's raw logprobs.
 
-    Returns (state, out, logprobs, drawn, verified). ``out``, int32 [slots, 2 + W +
-    2 * max_rounds]: per slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens
-    from its old length on, and the drafts proposed and the accepted drafts emitted in each round
-    (``unpack``): one array, so the host reads everything back in one transfer. ``logprobs``,
-    int32 [slots, 2, W, 21] with ``with_logprobs`` (else None): per token its rank and top-20
-    ids, then (as float32 bits) its logprob and the top 20 (``unpack_logprobs``). ``drawn`` and
-    ``verified``: the last round's (``round.round_step``'s), the host's with ``from_host``."""
+    Returns (state, out, logprobs, drawn). ``out``, int32 [slots, 2 + W + 2 * max_rounds]: per
+    slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens from its old length
+    on, and the drafts proposed and the accepted drafts emitted in each round (``unpack``): one
+    array, so the host reads everything back in one transfer. ``logprobs``, int32 [slots, 2, W,
+    21] with ``with_logprobs`` (else None): per token its rank and top-20 ids, then (as float32
+    bits) its logprob and the top 20 (``unpack_logprobs``). ``drawn``: the last round's drawn
+    rows, whose first ``batch.num_logit_rows`` are the host's."""
     p = state.progress
-    live = p.live & ~from_host
     length = p.length
-    slots = jnp.where(live, jnp.arange(length.shape[0]), length.shape[0])
+    slots = jnp.where(p.live, jnp.arange(length.shape[0]), length.shape[0])
     history = state.history.at[slots, length - 1].set(p.last, mode="drop")
-    st = dataclasses.replace(state, history=history, progress=dataclasses.replace(p, live=live))
-    st, n, drafted, accepted, ids, vals, drawn, verified = F.run_rounds(
+    st = dataclasses.replace(state, history=history)
+    st, n, drafted, accepted, ids, vals, drawn, _ = F.run_rounds(
         weights, draft_weights, st, run, num_rounds, max_rounds, until_one_ends, with_logprobs,
-        (batch, spec), from_host)
+        F.Host(batch, draft, host_rows, running))
     width = max_rounds * (run.k_max + 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
-    new_len = st.progress.length
-    out = jnp.concatenate([new_len[:, None], jnp.broadcast_to(n, length.shape)[:, None], tokens,
-                           drafted.T, accepted.T], axis=1)
+    out = jnp.concatenate([st.progress.length[:, None],
+                           jnp.broadcast_to(n, length.shape)[:, None], tokens, drafted.T,
+                           accepted.T], axis=1)
     logprobs = (jnp.stack([ids, lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
                 if with_logprobs else None)
     return (dataclasses.replace(st, progress=dataclasses.replace(st.progress, live=p.live)),
-            out, logprobs, drawn, verified)
+            out, logprobs, drawn)
 
 
 def unpack(out, max_rounds: int):

@@ -28,7 +28,7 @@ from sfjax.rows import bucket
 from sfjax.step import PROGRESS_FIELDS, Progress
 
 # the columns of the host's progress rows (``SlotSync.progress``)
-PROMPT_LEN, LENGTH, LAST, LIVE, DRAFTED, ACCEPTED, SPEC_ROUNDS = range(len(PROGRESS_FIELDS))
+PROMPT_LEN, LENGTH, LAST, LIVE, DRAFTED, ACCEPTED, SPEC_ROUNDS, DRAFTS = range(len(PROGRESS_FIELDS))
 
 
 def rows_for(changed: int, num_slots: int) -> int:
@@ -53,7 +53,7 @@ class SlotSync:
         self._sent = np.zeros_like(block_tables)              # the device's block tables
         self._held: list = [None] * block_tables.shape[0]     # whose settings each slot holds
         self._widths = widths([])                             # the device table's list widths
-        # the device's progress, a row per slot: int32 [slots, 7], Progress's fields in order
+        # the device's progress, a row per slot: int32 [slots, 8], Progress's fields in order
         self.progress = np.zeros((block_tables.shape[0], len(PROGRESS_FIELDS)), np.int32)
 
     def padding(self, u: int) -> tuple[np.ndarray, np.ndarray, sampling.Sampling, Progress]:
@@ -95,11 +95,13 @@ class SlotSync:
             self._held, self._widths = now, widths
         changed = ((self.block_tables != self._sent).any(axis=1)
                    | np.array([a is not b for a, b in zip(now, self._held)]))
-        if progress is not None:
+        sent_progress = self.progress
+        if progress is not None:       # the record follows only once the update is sent
             changed |= (progress != self.progress).any(axis=1)
-            self.progress = progress.copy()
+            sent_progress = progress.copy()
         dirty = np.flatnonzero(changed)
         if dirty.size == 0:
+            self.progress = sent_progress
             return state
         u = rows_for(dirty.size, n)
         slots = np.full(u, n, np.int32)
@@ -109,8 +111,9 @@ class SlotSync:
         held = [(i, now[s]) for i, s in enumerate(dirty) if now[s] is not None]
         rows = self._table([r for _, r in held], [i for i, _ in held], u, self._widths)
         sent = np.zeros((u, self.progress.shape[1]), np.int32)
-        sent[:dirty.size] = self.progress[dirty]
+        sent[:dirty.size] = sent_progress[dirty]
         state = update(state, slots, blocks, rows, Progress.of_rows(sent))
+        self.progress = sent_progress
         self._sent[dirty] = self.block_tables[dirty]
         for s in dirty:
             self._held[s] = now[s]

@@ -112,12 +112,6 @@ class Speculator:
         return None
 
     @property
-    def every_step(self) -> bool:
-        """Whether every step runs the speculative round, drafting or not: a draft model's
-        cache, or an EAGLE head's, follows every row the target is fed."""
-        return self.draft_cfg is not None or self.head_cfg is not None
-
-    @property
     def round_model(self):
         """What the round's ``speculative_config.model`` is: the draft's ``ModelConfig``, the
         head's ``eagle.HeadConfig``, or None (``ngram``)."""
