@@ -324,10 +324,8 @@ def _tpu_kernel(meta_ref, slot_ref, last_ref, tables_ref, pos_ref, q_ref, k_hbm,
                                                  sem.at[buf]))
         return out
 
-    rows, d = q_ref.shape[1:]
-    m0, l0, acc0 = _init(rows, d)
-    for h in range(kvh):
-        m_ref[h], l_ref[h], acc_ref[h] = m0, l0, acc0
+    m_ref[...], l_ref[...], acc_ref[...] = (jnp.broadcast_to(x, (kvh, *x.shape))
+                                            for x in _init(*q_ref.shape[1:]))
 
     @pl.when((b < meta_ref[1]) & (s * split <= last_ref[b]))
     def _():

@@ -282,17 +282,17 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
         logit_first, logit_rows, num_logit_rows, draws = _packed_logit_rows(
             order, live, length, plen, first, k, r)
         logit_first = hr + logit_first
-    base = lambda fill, x: jnp.full(n, fill, jnp.int32) if host is None else x
-    put = lambda fill, x, rows: base(fill, rows).at[first].set(x, mode="drop")
     hb = host.batch if host is not None else None
+    put = lambda fill, x, name: (jnp.full(n, fill, jnp.int32) if hb is None else getattr(hb, name)
+                                 ).at[first].set(x, mode="drop")      # after the host's rows
     if host is not None:          # the host's logit rows first, the live rows' after them
         logit_rows, draws = _after(hr, (hb.logit_rows, hb.draws), (logit_rows, draws))
         num_logit_rows = hr + num_logit_rows
     logprobs = jnp.bool_(with_logprobs) | (False if hb is None else hb.with_logprobs)
     batch = StepBatch(
-        tokens=put(0, last, hb and hb.tokens),
-        positions=put(-1, jnp.where(live, length - 1, -1), hb and hb.positions),
-        slots=put(-1, slot, hb and hb.slots), logit_rows=logit_rows,
+        tokens=put(0, last, "tokens"),
+        positions=put(-1, jnp.where(live, length - 1, -1), "positions"),
+        slots=put(-1, slot, "slots"), logit_rows=logit_rows,
         num_logit_rows=num_logit_rows, with_logprobs=logprobs, draws=draws)
     sb = None if spec is None else _spec_batch(st, cfg, order, live, length, last, first, k,
                                                jnp.where(live, logit_first, r), na, host)

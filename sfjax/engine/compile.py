@@ -14,8 +14,9 @@ from sfjax.engine.batch import bucket
 def shape_buckets(engine) -> list[tuple]:
     """Every (kind, N, R, draft rows) a call of this engine can take: its one program's shape
     buckets (the host's rows and the device's after them; ``Engine._shape``), and the rounds
-    with logprobs (in one bucket that holds any call's rows). Prompt-logprob rows
-    beyond ``max_num_seqs`` draws, and sampling lists longer than ``sampling.MIN_LIST_WIDTHS``
+    with logprobs without host rows (in the bucket of every slot's rows). A call with prefill
+    rows while a request that asks for logprobs decodes, prompt-logprob rows beyond
+    ``max_num_seqs`` draws, and sampling lists longer than ``sampling.MIN_LIST_WIDTHS``
     (min_tokens stop ids, logit_bias, allowed_token_ids), add shapes not listed here. Over dp
     data shards N is dp segments of a bucketed length (``batch.pack``), any shard taking the
     whole token budget."""

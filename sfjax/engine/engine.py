@@ -545,18 +545,17 @@ class Engine:
                with_logprobs: bool) -> tuple:
         """The (rows, logit rows, draft rows) a call runs in: the host's ``rows`` per data shard
         and ``logit_rows``, then ``decode``'s rows (a speculating engine's: every slot's k + 1),
-        bucketed, or a larger bucket the engine has run (``_fit``). With logprobs, one bucket
-        for every call: a whole token budget of host rows per shard, a draw per slot, then every
-        slot's rows (padding past the real rows costs nothing; that program is compiled once,
-        ``compile.shape_buckets``, unless prompt logprobs ask for more logit rows)."""
+        bucketed, or a larger bucket the engine has run (``_fit``). With logprobs, the host's
+        rows and then every slot's (that program's bucket without host rows is compiled once,
+        ``compile.shape_buckets``; one with prefill rows the first time a call needs it: a fixed
+        bucket of a whole token budget would run its padding rows wherever kernels take every
+        row, as the accelerator path's do)."""
         c, dp, tile = self.config, self.dp, self.config.row_tile
         load = [0] * dp
         for req in decode:
             load[self.scheduler.shard_of(req.slot)] += 1
         if with_logprobs:
             load = [c.max_num_seqs // dp] * dp
-            rows = [max(h, c.max_num_batched_tokens) for h in rows]
-            logit_rows = max(logit_rows, c.max_num_seqs)
         k1 = self.spec.k_max + 1 if self.spec else 1
         seg = max(h + per * k1 for h, per in zip(rows, load))
         if self.spec is None:
