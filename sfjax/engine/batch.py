@@ -66,31 +66,36 @@ class BatchBuilder:
     def shards(self, plan: list[Scheduled]) -> list[int]:
         return [self.shard_of(s.request.slot) for s in plan]
 
-    def build(self, plan: list[Scheduled], min_rows: int = 0,
-              min_logit_rows: int = 0) -> tuple[StepBatch, list, list[int]]:
-        """Packs the plan's rows by data shard (``pack``); returns the batch, per logit row
-        (request, prompt position whose next token's logprob it reports, or -1 for a draw, 0),
-        and each entry's first row. At least ``min_rows`` rows and ``min_logit_rows`` logit rows
-        are laid out (the call's bucket); trailing padding costs nothing (whole tiles past the
-        real rows are skipped)."""
-        tile = self.row_tile
-        tokens, positions, slots, first = pack(layout(plan), self.shards(plan), self.dp, tile,
-                                               min_rows)
-        logit_rows = []
+    def logits(self, plan: list[Scheduled]) -> list[tuple[int, int, tuple]]:
+        """The plan's logit rows, each as (entry, its row among the entry's rows, meta): meta is
+        (request, prompt position whose next token's logprob it reports or -1 for a draw, 0)."""
+        out = []
         for i, s in enumerate(plan):
-            req, row = s.request, first[i]
+            req = s.request
             if req.params.prompt_logprobs is not None:
                 start = max(s.start, len(req.prompt_logprobs))
                 for pos in range(start, min(s.start + s.count, len(req.prompt_token_ids) - 1)):
-                    logit_rows.append((row + pos - s.start, (req, pos, 0)))
+                    out.append((i, pos - s.start, (req, pos, 0)))
             if s.draws:
-                logit_rows.append((row + s.count - 1, (req, -1, 0)))
-        meta = [m for _, m in logit_rows]
+                out.append((i, s.count - 1, (req, -1, 0)))
+        return out
+
+    def build(self, plan: list[Scheduled], min_rows: int = 0, min_logit_rows: int = 0,
+              logits: list | None = None) -> tuple[StepBatch, list, list[int]]:
+        """Packs the plan's rows by data shard (``pack``); returns the batch, each logit row's
+        meta (``logits``, given or found), and each entry's first row. At least ``min_rows``
+        rows and ``min_logit_rows`` logit rows are laid out (the call's bucket); trailing
+        padding costs nothing (whole tiles past the real rows are skipped)."""
+        tile = self.row_tile
+        tokens, positions, slots, first = pack(layout(plan), self.shards(plan), self.dp, tile,
+                                               min_rows)
+        logits = self.logits(plan) if logits is None else logits
+        meta = [m for _, _, m in logits]
         r = bucket(max(len(meta), 1, min_logit_rows), tile)
         logprobs = any(req.params.logprobs is not None or pos >= 0 for req, pos, _ in meta)
         batch = StepBatch(
             tokens=tokens, positions=positions, slots=slots,
-            logit_rows=pad([row for row, _ in logit_rows], r, 0),
+            logit_rows=pad([first[i] + j for i, j, _ in logits], r, 0),
             num_logit_rows=np.int32(len(meta)), with_logprobs=np.bool_(logprobs),
             draws=self.draws(meta, r))
         return batch, meta, first

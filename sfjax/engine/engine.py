@@ -400,7 +400,11 @@ class Engine:
         self.stats["host_steps"] += 1            # calls that ran the device (several rounds each)
         decode = [s.request for s in plan if self._is_decode(s)]
         prefill = [s for s in plan if not self._is_decode(s)]
-        num_rounds = self._rounds_for(plan, decode, prefill)
+        # each decoding request's drafts this round, as the device picks them (before its pages)
+        on = self.spec is not None and self.spec.config.speculates_at(len(self.scheduler.running))
+        drafts = {req.request_id: self.spec.k_for(req, self.batches.budget(req))
+                  for req in decode} if on else {}
+        num_rounds = self._rounds_for(plan, decode, prefill, drafts)
         progress = np.zeros_like(self.slots.progress)        # every other slot: not live
         for req in decode:            # its row (slots.PROGRESS_FIELDS); adaptive_k reads drafts
             m = req.spec_metrics or speculation.SpecMetrics()
@@ -408,13 +412,9 @@ class Engine:
                                   req.output_token_ids[-1], 1, m.num_draft_tokens,
                                   m.num_accepted_tokens, m.num_drafts,
                                   bool(self.spec) and req.strategy_slot == self.spec.slot)
-        # a request that speculates gets counters (zeros if it never drafts)
-        on = self.spec is not None and self.spec.config.speculates_at(len(self.scheduler.running))
-        speculating = {req.request_id for req in decode
-                       if on and self.spec.k_for(req, self.batches.budget(req)) > 0}
         with_logprobs = any(req.params.logprobs is not None for req in decode)
-        batch, sb, meta, rows = self._host_rows(prefill, decode, with_logprobs)
-        out, logprobs, drawn = self._call(batch, sb, rows, progress, num_rounds,
+        batch, draft, meta, rows = self._host_rows(prefill, decode, with_logprobs)
+        out, logprobs, drawn = self._call(batch, draft, rows, progress, num_rounds,
                                           bool(self.scheduler.waiting), with_logprobs,
                                           len(self.scheduler.running) - len(decode), bool(meta))
         for s in prefill:
@@ -430,7 +430,7 @@ class Engine:
         for req in decode:
             read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
                                              drafted[:n, req.slot], accepted[:n, req.slot],
-                                             req.request_id in speculating,
+                                             drafts.get(req.request_id, 0) > 0,
                                              req.params.logprobs is not None and
                                              rounds.unpack_logprobs(logprobs, req.slot))
             outputs.append(self._guarded(req, read))
@@ -471,12 +471,12 @@ class Engine:
     # -- the one program -------------------------------------------------------------------------
 
     def _rounds_for(self, plan: list[Scheduled], decode: list[Request],
-                    prefill: list[Scheduled]) -> int:
+                    prefill: list[Scheduled], drafts: dict[str, int]) -> int:
         """Rounds the device lays out in this call, and their pages. Several (up to
         ``num_scheduler_steps``, fewer tried before one) when every running request decodes, no
         waiting request has a free slot to be admitted to, and the free blocks hold every
         request's growth over the rounds; else one, each drafting row's pages grown for its k
-        drafts where they can be had (the device drafts none for a row whose pages do not hold
+        drafts (``drafts``, by request id) where they can be had (the device drafts none for a row whose pages do not hold
         them, ``functional._spec_k``)."""
         sched, steps = self.scheduler, self.config.num_scheduler_steps
         k1 = self.spec.k_max + 1 if self.spec else 1
@@ -490,11 +490,9 @@ class Engine:
                 for req in decode:
                     sched.grow(req, upto(req, r))
                 return r
-        if self.spec is not None and self.spec.config.speculates_at(len(sched.running)):
-            for req in decode:
-                k = self.spec.k_for(req, self.batches.budget(req))
-                if k > 0:
-                    sched.grow(req, req.num_tokens + k)
+        for req in decode:
+            if drafts.get(req.request_id, 0) > 0:
+                sched.grow(req, req.num_tokens + drafts[req.request_id])
         return 1
 
     def _read_rounds(self, req: Request, tokens, new_len: int, drafted, accepted,
@@ -581,14 +579,16 @@ class Engine:
             if shape not in self._pads:        # built once per shape (calls do not donate them)
                 self._pads[shape] = self._build([], shape)
             return (*self._pads[shape], rows)
-        _, _, meta = self._build(prefill, (0, 0, 0))
-        return (*self._build(prefill, self._shape(rows, len(meta), decode, with_logprobs)), rows)
+        logits = self.batches.logits(prefill)
+        shape = self._shape(rows, len(logits), decode, with_logprobs)
+        return (*self._build(prefill, shape, logits), rows)
 
-    def _build(self, prefill: list[Scheduled], shape: tuple):
-        """``prefill``'s rows in at least ``shape``: (batch, the draft model's copy of its rows
-        or None, meta)."""
+    def _build(self, prefill: list[Scheduled], shape: tuple, logits=None):
+        """``prefill``'s rows in at least ``shape`` (``logits``: their logit rows, as
+        ``BatchBuilder.logits`` gives them): (batch, the draft model's copy of its rows or None,
+        meta)."""
         n, r, na = shape
-        batch, meta, _ = self.batches.build(prefill, min_rows=n, min_logit_rows=r)
+        batch, meta, _ = self.batches.build(prefill, n, r, logits)
         if self.spec is None or self.spec.draft_cfg is None:
             return batch, None, meta
         return batch, pack(layout(prefill), self.batches.shards(prefill), self.dp,
