@@ -15,7 +15,7 @@ from sfjax.spec.eagle import HeadConfig
 METHODS = ("draft_model", "ngram", "eagle3")
 ACCEPTANCE = ("exact", "rejection_sampler", "typical_acceptance_sampler")
 MAX_SPECULATIVE_TOKENS = 128
-ADAPTIVE_MAX = 8          # "num_speculative_tokens": "auto" drafts up to this many
+ADAPTIVE_MAX = 7          # "auto" drafts up to this many: k + 1 verify rows fill one 8-row tile
 ADAPTIVE_LEVELS = 64      # acceptance estimates are read to 1/64 (integers: host == device)
 ADAPTIVE_PRIOR = (2, 4)   # (accepted, drafted) counted before a request's own: an estimate of 1/2
 VERIFY_COST = 0.02        # one more verify row, in units of a target step (rows share tiles)

@@ -121,6 +121,22 @@ def _draw_draft(ctx, slots, length, k, live, s: int, logits, j, history):
     return d, logq, history
 
 
+def _scan_drafts(ctx, step, carry, k, k_max: int):
+    """``lax.scan(step, carry, [1, k_max))``: drafts 2 .. k_max, step j drafting for the rows with
+    j < ``k``. On the row-tile path (no matmul kernel: XLA:CPU) a step past every row's k is
+    skipped (``lax.cond``; it would change nothing, as no row takes a draft there), so a round
+    of adaptive k pays for the drafts it makes, not for k_max. The kernel path keeps every step:
+    its round has no conditionals (an accelerator reads a branch's predicate on the host)."""
+    if ctx.run.matmul is None:
+        body = step
+
+        def step(carry, j):
+            outs = jax.eval_shape(body, carry, j)[1]
+            none = lambda carry, j: (carry, jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype), outs))
+            return lax.cond(jnp.any(j < k), body, none, carry, j)
+    return lax.scan(step, carry, jnp.arange(1, k_max))
+
+
 def _draft_model(dw, dcache, ctx, k_max: int):
     """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
     spec, history, run = ctx.spec, ctx.history, ctx.run
@@ -155,7 +171,7 @@ def _draft_model(dw, dcache, ctx, k_max: int):
         d, logq, history = one(head(gather(h)), j, history)
         return (d, dcache, history), (d, logq)
 
-    (_, dcache, _), (ds, qs) = lax.scan(step, (d0, dcache, history), jnp.arange(1, k_max))
+    (_, dcache, _), (ds, qs) = _scan_drafts(ctx, step, (d0, dcache, history), k, k_max)
     drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]                    # [S, K]
     logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]      # [S, K, V or 1]
     return drafts, logq, keep_cache_sharding(dcache, dcfg, mesh)
@@ -211,8 +227,8 @@ class Eagle:
             d, logq, history = one(lg, j, history)
             return (d, h, cache, history), (d, logq)
 
-        (_, _, cache, _), (ds, qs) = lax.scan(step, (d0, h, cache, history),
-                                              jnp.arange(1, self.k_max))
+        (_, _, cache, _), (ds, qs) = _scan_drafts(ctx, step, (d0, h, cache, history), k,
+                                                  self.k_max)
         drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]
         logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]
         return (drafts, k[:s], logq if ctx.compares_distributions else None,

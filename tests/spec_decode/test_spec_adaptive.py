@@ -8,7 +8,7 @@ import pytest
 
 from engine_checks import compiles
 from sfjax import LLM
-from sfjax.spec.config import SpeculativeConfig, adaptive_k
+from sfjax.spec.config import ADAPTIVE_MAX, SpeculativeConfig, adaptive_k
 from spec_util import (BATCH8_SEED, GEOMETRY, assert_same_outputs, delta, greedy, prompts,
                        repeated_prompts, run, sampled, spec_counters)
 
@@ -18,14 +18,14 @@ def _per_round(d):
 
 
 def test_the_k_table_weighs_acceptance_against_cost():
-    cheap = SpeculativeConfig("ngram", 8, adaptive_k=True)
-    dear = SpeculativeConfig("ngram", 8, adaptive_k=True, draft_cost=1.0)
+    cheap = SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True)
+    dear = SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True, draft_cost=1.0)
     from sfjax import toy
     t = cheap.k_table(toy.tiny_config())
-    assert t[0] == 1 and t[-1] == 8 and (np.diff(t) >= 0).all()       # more acceptance, more k
+    assert t[0] == 1 and t[-1] == ADAPTIVE_MAX and (np.diff(t) >= 0).all()       # more acceptance, more k
     assert (dear.k_table(toy.tiny_config()) == 1).all()              # a draft as dear as a step
     assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": "auto"}) \
-        == SpeculativeConfig("ngram", 8, adaptive_k=True)
+        == SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True)
     assert SpeculativeConfig("ngram", 8).k_table(toy.tiny_config()) is None
     # integer steps: numpy on the host and jax.numpy on the device read the same entry
     drafted, accepted = np.array([0, 7, 100, 1000]), np.array([0, 3, 99, 10])
