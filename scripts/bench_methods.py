@@ -2,16 +2,19 @@
 
     python scripts/code_prompts.py --out code_prompts.jsonl
     python scripts/bench_methods.py --prompts-file code_prompts.jsonl [--batch-sizes 1,8]
-        [--temperatures 0,0.8] [--repeats 3] [--no-hf] [--cpu-threads 1]
+        [--temperatures 0,0.8] [--repeats 3] [--no-hf] [--cpu-threads 1] [--only NAMES]
+        [--ngram-k 1,2,4,8]
 
 One engine per method (plain; ngram k = 3 with the distilled table, fixed and adaptive; the
 draft model, k = 4; the EAGLE-3 head at fixed k = 2 and 3 and adaptive k), built once and run on the same prompts in
 turns, ``--repeats`` times over; each keeps its fastest pass (``sfjax.benchmark.run_engine``:
 the 8 prompts, 128 tokens each, EOS ignored, at most --batch-size at once). At T > 0 every
 request has its own seed (``--seed`` + i). ``--mixed`` adds as many prompts of random token ids,
-where little is accepted (adaptive k's case). Reported per method: output tok/s, the ratio to sfjax
-plain of the same batch size and temperature, acceptance rate and mean acceptance length, and
-whether the tokens equal plain decoding's (``exact`` promises it). With HF (batch 1 only): HF
+where little is accepted (adaptive k's case). ``--ngram-k`` adds the n-gram + table engine at
+those k (``auto`` too), to see what a round costs by its verify rows. Reported per method: output
+tok/s, the ratio to sfjax plain of the same batch size and temperature, the device rounds and the
+pass's wall time per round, acceptance rate and mean acceptance length, and whether the tokens
+equal plain decoding's (``exact`` promises it). With HF (batch 1 only): HF
 ``generate`` plain, with the draft as assistant model (k = 4) and with prompt lookup (k = 3), as
 ``sfjax bench --compare-hf`` runs them, in the same turns.
 """
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="XLA:CPU's thread pool (as sfjax bench's)")
     ap.add_argument("--only", default=None, help="comma-separated method names")
+    ap.add_argument("--ngram-k", default=None,
+                    help="comma-separated k (or auto) of more n-gram + table engines")
     ap.add_argument("--mixed", action="store_true",
                     help="add as many prompts of random ids (not code: little to accept)")
     ap.add_argument("--no-hf", action="store_true")
@@ -68,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
         chosen.setdefault("plain", None)
+    from sfjax.default_model import default_speculative_config
+    for k in (args.ngram_k.split(",") if args.ngram_k else []):
+        chosen[f"ngram+table k{k}"] = {**default_speculative_config("ngram"),
+                                       "num_speculative_tokens": k if k == "auto" else int(k)}
     results = []
     for batch in map(int, args.batch_sizes.split(",")):
         llms = {name: LLM(max_num_seqs=batch, speculative_config=spec)
@@ -83,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             params = [SamplingParams(temperature=temperature, seed=args.seed + i,
                                      max_tokens=args.output_len, ignore_eos=True)
                       for i in range(len(work.prompt_ids))]
-            passes = {name: (lambda llm=llm: B.run_engine(llm, work, params))
-                      for name, llm in llms.items()}
+            def timed(llm):
+                rounds = llm.get_metrics()["steps"]
+                r = B.run_engine(llm, work, params)
+                return {**r, "rounds": llm.get_metrics()["steps"] - rounds}
+            passes = {name: (lambda llm=llm: timed(llm)) for name, llm in llms.items()}
             if batch == 1 and not args.no_hf:
                 modes = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 3},
                          "assisted": {"assistant_model": default_draft_path(),
@@ -107,13 +119,17 @@ def main(argv: list[str] | None = None) -> int:
                 s = r.get("spec") or {}
                 row = {"batch": batch, "temperature": temperature, "method": name,
                        "tok_s": round(rate(r), 1), "vs_plain": round(rate(r) / rate(plain), 3),
+                       "rounds": r.get("rounds"),
+                       "ms_per_round": r.get("rounds") and round(1e3 * r["duration"] / r["rounds"], 3),
                        "acceptance_rate": s.get("acceptance_rate"),
                        "mean_acceptance_length": s.get("mean_acceptance_length"),
                        "tokens_equal_plain": r["tokens"] == plain["tokens"]}
                 results.append(row)
                 acc = (f"  acceptance {100 * s['acceptance_rate']:.1f}%, length "
                        f"{s['mean_acceptance_length']:.2f}" if s else "")
-                print(f"  {name:<16}{row['tok_s']:>9.1f} tok/s  {row['vs_plain']:.2f}x plain"
+                per = (f"  {row['rounds']} rounds, {row['ms_per_round']:.3f} ms/round"
+                       if row["rounds"] else "")
+                print(f"  {name:<18}{row['tok_s']:>9.1f} tok/s  {row['vs_plain']:.2f}x plain{per}"
                       f"{acc}{'' if row['tokens_equal_plain'] else '  (tokens differ)'}")
     if args.json:
         with open(args.json, "w") as f:

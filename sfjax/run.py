@@ -160,18 +160,6 @@ class RunConfig:
         return dataclasses.replace(self, model=untag(self.model), speculative_config=None if (
             spec is None) else dataclasses.replace(spec, model=untag(spec.model)))
 
-    def of_round(self) -> "RunConfig":
-        """What one round (``round.round_step``) is specialised on: ``of_device`` without the
-        speculative config's host-side settings (adaptive k and its cost,
-        disable_by_batch_size, the draft's max_model_len, the n-gram table's path: the host, or
-        ``sfjax.functional``'s rounds, read them), so engines that differ only there share it."""
-        run, spec = self.of_device(), self.speculative_config
-        if spec is None:
-            return run
-        return dataclasses.replace(run, speculative_config=dataclasses.replace(
-            run.speculative_config, adaptive_k=False, draft_cost=None, disable_by_batch_size=None,
-            max_model_len=None, prompt_lookup_table=None))
-
     def plain(self) -> "RunConfig":
         """The same run without speculation: what a plain round is specialised on (shared by
         plain and speculating engines of one model)."""
