@@ -291,9 +291,10 @@ def row_bits(smoke: bool) -> dict:
     return dict(matmul=impl, same=same)
 
 
-def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 2) -> dict:
-    """Greedy decoding, plain at batch 1, 32 and 128 and with the all-accepting draft model at
-    batch 1 and 32; each against the weights + KV read roofline."""
+def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 2,
+        batches: tuple[int, ...] | None = None) -> dict:
+    """Greedy decoding, plain at batch 1, 32 and 128 (``batches``) and with the all-accepting
+    draft model at the first two; each against the weights + KV read roofline."""
     cfg = toy.tiny_config(num_layers=4, dtype="bfloat16") if smoke else llama_7b()
     w = random_weights(cfg, 0)
     dead = lambda x: x.at[2:].set(0)
@@ -304,7 +305,7 @@ def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 2) 
     prompt_len = 128 if not smoke else 16
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
     tokenizer = toy.build_tokenizer(512)
-    batches = (1, 32, 128) if not smoke else (1, 4)
+    batches = batches or ((1, 32, 128) if not smoke else (1, 4))
     out = dict(weight_gb=weight_bytes / 1e9)
     print(f"e2e: {weight_bytes / 1e9:.2f} GB of weights", flush=True)
     tokens = {}
@@ -409,6 +410,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="e2e: drafts per round")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: "
                     "correct,attention,matmul,compile,bits,e2e,hf")
+    ap.add_argument("--batches", default=None,
+                    help="e2e's batch sizes, comma-separated (default 1,32,128; smoke 1,4)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -423,7 +426,8 @@ def main() -> None:
                 ("matmul", lambda: matmuls(args.smoke, args.iters, results["copy_gbs"])),
                 ("compile", lambda: compile_times(args.smoke)),
                 ("bits", lambda: row_bits(args.smoke)),
-                ("e2e", lambda: e2e(args.smoke, results["copy_gbs"], args.max_tokens, args.k)),
+                ("e2e", lambda: e2e(args.smoke, results["copy_gbs"], args.max_tokens, args.k,
+                                    batches=args.batches and tuple(map(int, args.batches.split(","))))),
                 ("hf", lambda: hf_peer(args.smoke, args.max_tokens,
                                        results.get("e2e", {}).get("plain")))]
     for name, run in sections:
