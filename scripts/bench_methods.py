@@ -67,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         limit_cpu_threads(args.cpu_threads)
     from sfjax import LLM, SamplingParams
     from sfjax import benchmark as B
-    from sfjax.default_model import default_draft_path, default_model_path
+    from sfjax.default_model import (default_draft_path, default_model_path,
+                                     default_speculative_config)
 
     chosen = methods()
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
         chosen.setdefault("plain", None)
-    from sfjax.default_model import default_speculative_config
     for k in (args.ngram_k.split(",") if args.ngram_k else []):
         chosen[f"ngram+table k{k}"] = {**default_speculative_config("ngram"),
                                        "num_speculative_tokens": k if k == "auto" else int(k)}
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"batch": batch, "temperature": temperature, "method": name,
                        "tok_s": round(rate(r), 1), "vs_plain": round(rate(r) / rate(plain), 3),
                        "rounds": r.get("rounds"),
-                       "ms_per_round": r.get("rounds") and round(1e3 * r["duration"] / r["rounds"], 3),
+                       "ms_per_round": r.get("rounds") and round(1e3 * r["duration"] / r["rounds"],
+                                                                  3),
                        "acceptance_rate": s.get("acceptance_rate"),
                        "mean_acceptance_length": s.get("mean_acceptance_length"),
                        "tokens_equal_plain": r["tokens"] == plain["tokens"]}

@@ -415,6 +415,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    batches = tuple(map(int, args.batches.split(","))) if args.batches else None
     if args.smoke:
         args.iters, args.max_tokens = min(args.iters, 3), min(args.max_tokens, 8)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, kernel impl {IMPL}", flush=True)
@@ -427,7 +428,7 @@ def main() -> None:
                 ("compile", lambda: compile_times(args.smoke)),
                 ("bits", lambda: row_bits(args.smoke)),
                 ("e2e", lambda: e2e(args.smoke, results["copy_gbs"], args.max_tokens, args.k,
-                                    batches=args.batches and tuple(map(int, args.batches.split(","))))),
+                                    batches=batches)),
                 ("hf", lambda: hf_peer(args.smoke, args.max_tokens,
                                        results.get("e2e", {}).get("plain")))]
     for name, run in sections:

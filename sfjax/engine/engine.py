@@ -476,8 +476,8 @@ class Engine:
         ``num_scheduler_steps``, fewer tried before one) when every running request decodes, no
         waiting request has a free slot to be admitted to, and the free blocks hold every
         request's growth over the rounds; else one, each drafting row's pages grown for its k
-        drafts (``drafts``, by request id) where they can be had (the device drafts none for a row whose pages do not hold
-        them, ``functional._spec_k``)."""
+        drafts (``drafts``, by request id) where they can be had (the device drafts none for a
+        row whose pages do not hold them, ``functional._spec_k``)."""
         sched, steps = self.scheduler, self.config.num_scheduler_steps
         k1 = self.spec.k_max + 1 if self.spec else 1
         def upto(req, r):       # the round's K/V writes stay below prompt + max_tokens
