@@ -185,7 +185,8 @@ class LLM:
                     done[out.request_id] = out
                     n_in += len(out.prompt_token_ids)
                     bar.update(budget[out.request_id] - len(out.outputs[0].token_ids))
-            bar.set_postfix_str(self._postfix(len(done), len(ids), n_in, start))
+            if not bar.disable:
+                bar.set_postfix_str(self._postfix(len(done), len(ids), n_in, start))
         bar.close()
         return [done[i] for i in ids]
 

@@ -119,6 +119,15 @@ def write_history(state: DeviceState, slot, row, n) -> DeviceState:
     return dataclasses.replace(state, history=history)
 
 
+@functools.partial(jax.jit, donate_argnames=("block_tables",))
+def update_blocks(block_tables, slots, block_rows):
+    """``block_tables`` with the rows of ``slots`` (int32 [U]; an index past the last slot is
+    padding, dropped) set to ``block_rows`` [U, max_blocks]: what a call sends when only pages
+    changed (a decoding request grew into a new block), a program of three arrays where
+    ``update_slots`` takes the whole state. DONATES ``block_tables``."""
+    return block_tables.at[slots].set(block_rows, mode="drop")
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def update_slots(state: DeviceState, slots, block_rows, table_rows: sampling.Sampling,
                  progress_rows: Progress) -> DeviceState:

@@ -1,5 +1,6 @@
 """The engine end to end on a tiny model: batching, block sizes, stops, preemption, bad input."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -139,6 +140,22 @@ def _device_rows_follow_the_host(eng):
             assert got[req.slot].tobytes() == want[req.slot].tobytes()
 
 
+@contextlib.contextmanager
+def _sends(eng):
+    """Records each update the engine sends the device, as ("slots" | "blocks", slots sent)."""
+    sent, progs = [], eng.programs
+    eng.programs = dataclasses.replace(
+        progs,
+        update_slots=lambda state, slots, *rows: sent.append(("slots", slots)) or progs.update_slots(
+            state, slots, *rows),
+        update_blocks=lambda tables, slots, rows: sent.append(("blocks", slots)) or progs.update_blocks(
+            tables, slots, rows))
+    try:
+        yield sent
+    finally:
+        eng.programs = progs
+
+
 def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
     """Block tables and sampling rows stay on the device between calls (sfjax.engine.slots):
     after every step the live slots' rows there are the host's; a call in which no slot's blocks
@@ -152,11 +169,7 @@ def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
                           presence_penalty=1.5, repetition_penalty=1.3,
                           logit_bias={t: 5.0 for t in range(10, 30)},
                           allowed_token_ids=list(range(8, 108)))
-    sent, update = [], eng.programs.update_slots
-    eng.programs = dataclasses.replace(
-        eng.programs, update_slots=lambda state, slots, *rows: sent.append(slots) or update(
-            state, slots, *rows))
-    try:
+    with _sends(eng) as sent:
         eng.add_request("wide", prompts[0], wide)
         slot, calls, widths = None, 0, set()
         while eng.has_unfinished_requests():
@@ -167,6 +180,8 @@ def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
             widths.add(jax.device_get(eng.state.table.bias).shape[1])
             _device_rows_follow_the_host(eng)
         assert widths == {32} and 0 < len(sent) < calls   # 40 tokens in 8-round calls, 16-token blocks
+        kinds = [kind for kind, _ in sent]   # the admission, the first rounds' progress; then
+        assert kinds[:2] == ["slots", "slots"] and set(kinds[2:]) == {"blocks"}   # growth alone
         for i, p in enumerate(prompts):                  # each lands in the freed slot
             eng.add_request(f"after-{i}", p, GREEDY)
             got = None
@@ -178,8 +193,6 @@ def test_slot_state_stays_on_the_device_and_follows_the_host(llm):
             assert got == plain[i]
         assert jax.device_get(eng.state.table.bias).shape[1] == sampling.MIN_LIST_WIDTHS[1]
         assert jax.device_get(eng.state.table.allowed).shape[1] == sampling.MIN_LIST_WIDTHS[2]
-    finally:
-        eng.programs = dataclasses.replace(eng.programs, update_slots=update)
 
 
 def test_decoding_on_the_device_sends_nothing_between_calls(llm):
@@ -188,11 +201,7 @@ def test_decoding_on_the_device_sends_nothing_between_calls(llm):
     one-step-per-call engine's (``test_rounds``); here, the traffic: the prefill call sends the
     admission, the first call of rounds the slot's progress, and the next call nothing."""
     eng = llm.engine
-    sent, update = [], eng.programs.update_slots
-    eng.programs = dataclasses.replace(
-        eng.programs, update_slots=lambda state, slots, *rows: sent.append(slots) or update(
-            state, slots, *rows))
-    try:       # 2 + 14 tokens: one 16-token block; a prefill call, then rounds of 8 and of 6
+    with _sends(eng) as sent:   # 2 + 14 tokens: one 16-token block; a prefill call, rounds of 8, of 6
         eng.add_request("one", {"prompt_token_ids": [5, 9]},
                         SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
         calls = []
@@ -202,8 +211,6 @@ def test_decoding_on_the_device_sends_nothing_between_calls(llm):
             calls.append(len(sent) - before)
             _device_rows_follow_the_host(eng)
         assert calls == [1, 1, 0]
-    finally:
-        eng.programs = dataclasses.replace(eng.programs, update_slots=update)
 
 
 def test_engines_share_the_programs_of_what_the_device_reads(model_folder):

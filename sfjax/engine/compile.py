@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -42,7 +43,8 @@ def shape_buckets(engine) -> list[tuple]:
         out.append(("forget", 0, 0, 0))
     if c.enable_prefix_caching:               # a cache hit's skipped tokens into the history
         out.append(("history", 0, 0, 0))
-    return out + [("slots", u, 0, 0) for u in slots.buckets(c.max_num_seqs)]
+    return out + [(kind, u, 0, 0) for kind in ("slots", "blocks")
+                  for u in slots.buckets(c.max_num_seqs)]
 
 
 def precompile(engine, progress: bool = True) -> float:
@@ -58,6 +60,10 @@ def precompile(engine, progress: bool = True) -> float:
             engine._run_padding((n, r, d or None), with_logprobs=kind == "logprobs")
         elif kind == "slots":                # updates of the device's slot rows
             engine.state = engine.programs.update_slots(engine.state, *engine.slots.padding(n))
+        elif kind == "blocks":               # updates of the device's block tables alone
+            tables = engine.programs.update_blocks(engine.state.block_tables,
+                                                   *engine.slots.padding(n)[:2])
+            engine.state = dataclasses.replace(engine.state, block_tables=tables)
         elif kind == "history":              # nothing written: positions < 0
             row = np.zeros(engine.config.max_model_len, np.int32)
             engine.state = engine.programs.write_history(engine.state, np.int32(0), row, np.int32(0))

@@ -33,7 +33,7 @@ from sfjax.sampling_params import SamplingParams
 from sfjax.engine import compile, programs, rounds, speculation
 from sfjax.engine.batch import BatchBuilder, bucket, layout, pack
 from sfjax.engine.output import OutputProcessor
-from sfjax.engine.slots import LAST, LENGTH, SlotSync
+from sfjax.engine.slots import SlotSync
 from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
@@ -86,6 +86,13 @@ class EngineConfig:
         object.__setattr__(self, "compiler_options",
                            compiler_options(f("compiler_options"), self.compiler_options))
         C.integer(f("seed"), self.seed, 0, 2**64 - 1, allowed="an int in [0, 2**64)")
+
+
+def host(tree):
+    """``tree``'s arrays as numpy arrays (read back; whole on every device of a mesh): each by
+    ``np.asarray``, which costs microseconds where ``jax.device_get``'s tree walk and
+    asynchronous copies cost tens of them, on every call."""
+    return jax.tree.map(np.asarray, tree)
 
 
 def compiler_options(field: str, options) -> tuple[tuple[str, Any], ...]:
@@ -421,11 +428,9 @@ class Engine:
             self.scheduler.set_computed(s.request, s.start + s.count)
         outputs = self._read_rows(meta, drawn, 0) if meta else []
         n, tokens, new_len, drafted, accepted = rounds.unpack(out, self.programs.max_rounds)
-        for req in decode:       # what the rounds left on the device (new tokens, counters)
-            at, length = req.slot, int(new_len[req.slot])
-            grew = length - progress[at, LENGTH]
-            self.slots.advanced(at, length, tokens[at, grew - 1] if grew else progress[at, LAST],
-                                drafted[:n, at], accepted[:n, at])
+        if decode:               # what the rounds left on the device (new tokens, counters)
+            at = np.array([req.slot for req in decode])
+            self.slots.advanced(at, new_len[at], tokens, drafted[:n, at], accepted[:n, at])
         self.stats["steps"] += n - 1                        # device rounds
         for req in decode:
             read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
@@ -521,8 +526,7 @@ class Engine:
         """Sends the slot rows that changed since the last call (``engine.slots``; with
         ``progress``, every slot's progress too), then marks the call dispatched: a failure from
         here on is the device call's."""
-        self.state = self.slots.sync(self.state, self.scheduler.running,
-                                     self.programs.update_slots, progress)
+        self.state = self.slots.sync(self.state, self.scheduler.running, self.programs, progress)
         self._dispatched = True
 
     def _fit(self, shape: tuple) -> tuple:
@@ -609,7 +613,7 @@ class Engine:
         if not with_logprobs:
             self._shapes.add((len(batch.tokens), len(batch.logit_rows),
                               None if draft is None else len(draft[0])))
-        return jax.device_get((out, logprobs, drawn if read_drawn else None))
+        return host((out, logprobs, drawn if read_drawn else None))
 
     def _run_padding(self, shape: tuple, with_logprobs: bool = False) -> None:
         """A call of no rows and no rounds in ``shape`` (compiles its program: ``precompile``)."""

@@ -44,6 +44,7 @@ class Programs:
     round_logprobs: Callable
     write_history: Callable     # (state, slot, row, n) -> state
     update_slots: Callable      # (state, slots, block rows, sampling rows) -> state
+    update_blocks: Callable     # (block tables, slots, block rows) -> block tables
     forget: Callable | None     # eagle3: (state, slot) -> state (``forget``)
     max_rounds: int             # the rounds a call of ``round`` may run (its read-back's width)
 
@@ -84,6 +85,8 @@ def programs_for(engine) -> Programs:
                               lambda: _jit(step.write_history, ("state",), opts)),
         update_slots=_shared(("update_slots", _shapes(engine.state), opts),
                              lambda: _jit(step.update_slots, ("state",), opts)),
+        update_blocks=_shared(("update_blocks", _shapes(engine.state.block_tables), opts),
+                              lambda: _jit(step.update_blocks, ("block_tables",), opts)),
         forget=None, max_rounds=steps)
     if spec is not None and spec.head_cfg is not None:
         progs["forget"] = _shared(("forget", _shapes(engine.state), opts),

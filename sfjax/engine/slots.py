@@ -5,7 +5,8 @@ length, newest token, counters, whether the device lays out its rows) live in
 ``step.DeviceState`` from call to call. The scheduler edits the host's block tables in place;
 before each device call ``SlotSync.sync`` sends the rows of the slots whose pages, request or
 progress changed since the last (one small donated program, ``step.update_slots``, over a bucket
-of at least 8 slots, ``rows_for``), and nothing when none did. The device advances the progress
+of at least 8 slots, ``rows_for``; ``step.update_blocks``, over the block tables alone, when only
+pages changed, as when a decoding request grows into a new block), and nothing when none did. The device advances the progress
 of the slots it runs rounds for, and the host's record follows from what it reads back
 (``advanced``): while every request decodes on the device, calls send nothing but their
 scalars. A freed slot's block row follows the host's (cleared) like any other; its sampling row
@@ -77,29 +78,30 @@ class SlotSync:
             return jax.device_put(tree)
         return sharding.put(tree, jax.tree.map(lambda _: P(), tree), self.mesh)
 
-    def sync(self, state, running, update: Callable, progress: np.ndarray | None = None):
+    def sync(self, state, running, programs, progress: np.ndarray | None = None):
         """``state`` with the slots of ``running`` (requests holding slots) current, and with
         ``progress`` (every slot's row, as ``self.progress``) if given, else the progress as it
-        is; ``update`` is the engine's ``step.update_slots``. A change of the id lists' widths
-        (a request needing longer lists arrived, or the last that did left) sends the whole
-        table."""
+        is; ``programs``: the engine's (``update_slots``, ``update_blocks``). A change of the id
+        lists' widths (a request needing longer lists arrived, or the last that did left) sends
+        the whole table."""
         n = len(self._held)
         now: list = [None] * n
         for req in running:
             now[req.slot] = req
-        widths = self._widths_of([r for r in now if r is not None])
+        changed = np.array([a is not b for a, b in zip(now, self._held)])
+        widths = self._widths_of([r for r in now if r is not None]) if changed.any() else self._widths
         if widths != self._widths:
             live = [s for s in range(n) if now[s] is not None]
             table = self._table([now[s] for s in live], live, n, widths)
             state = dataclasses.replace(state, table=self._place(table))
             self._held, self._widths = now, widths
-        changed = ((self.block_tables != self._sent).any(axis=1)
-                   | np.array([a is not b for a, b in zip(now, self._held)]))
+            changed[:] = False
+        paged = (self.block_tables != self._sent).any(axis=1)
         sent_progress = self.progress
         if progress is not None:       # the record follows only once the update is sent
             changed |= (progress != self.progress).any(axis=1)
             sent_progress = progress.copy()
-        dirty = np.flatnonzero(changed)
+        dirty = np.flatnonzero(changed | paged)
         if dirty.size == 0:
             self.progress = sent_progress
             return state
@@ -108,22 +110,33 @@ class SlotSync:
         slots[:dirty.size] = dirty
         blocks = np.zeros((u, self.block_tables.shape[1]), np.int32)
         blocks[:dirty.size] = self.block_tables[dirty]
-        held = [(i, now[s]) for i, s in enumerate(dirty) if now[s] is not None]
-        rows = self._table([r for _, r in held], [i for i, _ in held], u, self._widths)
-        sent = np.zeros((u, self.progress.shape[1]), np.int32)
-        sent[:dirty.size] = sent_progress[dirty]
-        state = update(state, slots, blocks, rows, Progress.of_rows(sent))
+        if not changed.any():          # pages alone
+            state = dataclasses.replace(
+                state, block_tables=programs.update_blocks(state.block_tables, slots, blocks))
+        else:
+            held = [(i, now[s]) for i, s in enumerate(dirty) if now[s] is not None]
+            rows = self._table([r for _, r in held], [i for i, _ in held], u, self._widths)
+            sent = np.zeros((u, self.progress.shape[1]), np.int32)
+            sent[:dirty.size] = sent_progress[dirty]
+            state = programs.update_slots(state, slots, blocks, rows, Progress.of_rows(sent))
         self.progress = sent_progress
         self._sent[dirty] = self.block_tables[dirty]
         for s in dirty:
             self._held[s] = now[s]
         return state
 
-    def advanced(self, slot: int, length: int, last: int, drafted, accepted) -> None:
-        """Records what a call of device rounds left in ``slot``'s progress: its new length and
-        newest token, and per round run the drafts proposed and the accepted drafts emitted."""
-        row = self.progress[slot]
-        row[LENGTH], row[LAST] = length, last
-        row[DRAFTED] += drafted.sum()
-        row[ACCEPTED] += accepted.sum()
-        row[SPEC_ROUNDS] += (drafted > 0).sum()
+    def advanced(self, slots: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, drafted,
+                 accepted) -> None:
+        """Records what a call of device rounds left in the progress of ``slots`` (int [D]): their
+        new ``lengths`` [D] and newest tokens (``tokens`` [slots, W]: each slot's tokens from
+        its old length on), and per round run [rounds, D] the drafts proposed and the accepted
+        drafts emitted."""
+        row = self.progress
+        grew = lengths - row[slots, LENGTH]
+        row[slots, LAST] = np.where(grew > 0, tokens[slots, np.maximum(grew - 1, 0)],
+                                    row[slots, LAST])
+        row[slots, LENGTH] = lengths
+        if drafted.any():
+            row[slots, DRAFTED] += drafted.sum(axis=0)
+            row[slots, ACCEPTED] += accepted.sum(axis=0)
+            row[slots, SPEC_ROUNDS] += (drafted > 0).sum(axis=0)
