@@ -89,6 +89,7 @@ PREEMPT = [dict(temperature=0, max_tokens=26, ignore_eos=True),
 
 _NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 _DRAFT = dict(method="draft_model", model="@draft", num_speculative_tokens=3)
+_EAGLE = dict(method="eagle3", model="@eagle", num_speculative_tokens=3)
 
 # block_size 8 and 1 + 16 blocks: 4 short requests fit, 6 long ones (5 blocks each) preempt;
 # prompts prefill in chunks of 8 tokens (one step shape)
@@ -113,6 +114,12 @@ RUNS = [
     _run("ngram_exact_steps8", "llm", dict(SPEC, speculative_config=_NGRAM), _prompts(2, 5), PENALTIES),
     # a draft model: exact, 8 rounds a call (rejection sampling: dp2_tp2_draft_rejection)
     _run("draft_exact_steps8", "llm", dict(SPEC, speculative_config=_DRAFT), _prompts(5, 4), NO_PENALTIES),
+    # an EAGLE-3 head: exact, 8 rounds a call; rejection sampling with adaptive k, one round a
+    # call (its drafts' bits decide its tokens)
+    _run("eagle_exact_steps8", "llm", dict(SPEC, speculative_config=_EAGLE), _prompts(13, 5), PENALTIES),
+    _run("eagle_rejection_auto_steps1", "llm", dict(SPEC, num_scheduler_steps=1, speculative_config=dict(
+        _EAGLE, num_speculative_tokens="auto", acceptance_method="rejection_sampler")),
+         _prompts(14, 5), PENALTIES),
     # sfjax.functional: generate (plain); prefill + decode rounds (ngram, typical acceptance: the
     # engine's rounds run these same functional rounds)
     _run("functional_generate_plain", "functional", dict(max_model_len=MAX_LEN, bucket=16),
@@ -160,7 +167,8 @@ def weights_digest(folder: str) -> str:
 
 
 def build_models(root: str) -> dict:
-    """The tiny target and draft as HF folders under ``root``, deterministic from their seeds.
+    """The tiny target, draft and EAGLE-3 head as HF folders under ``root``, deterministic
+    from their seeds.
 
     The target is ``toy.tiny_config()`` from seed 0 (std 0.1) with its second layer's output
     projections scaled by ``SECOND_LAYER``, so that the draft, the target's first layer (with
@@ -185,7 +193,23 @@ def build_models(root: str) -> dict:
             a = a if f.name.endswith("norm") else a + DRAFT_NOISE["scale"] * n
         fields[f.name] = a
     draft = toy.build_model_folder(os.path.join(root, "draft"), dcfg, weights=W.Weights(**fields))
-    return dict(target=target, draft=draft)
+    return dict(target=target, draft=draft, eagle=_eagle_head(os.path.join(root, "eagle"), cfg))
+
+
+def _eagle_head(path: str, target) -> str:
+    """An EAGLE-3 head for the target from seed 7 (std 0.2): a draft vocabulary of 256 of its
+    512 ids, fusing the input of layers 0, 1, 1. It accepts a few drafts, so rounds are ragged."""
+    from sfjax.config import ModelConfig
+    from sfjax.spec import eagle
+
+    layer = ModelConfig(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                        intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                        head_dim=16, rope_theta=target.rope_theta, rms_norm_eps=1e-5,
+                        max_position_embeddings=target.max_position_embeddings)
+    cfg = eagle.HeadConfig(layer=layer, draft_vocab_size=256, target_hidden_size=target.hidden_size,
+                           aux_layers=(0, 1, 1))
+    eagle.save(path, cfg, eagle.init_random(cfg, seed=7, std=0.2))
+    return path
 
 
 # ---------------------------------------------------------------------------------------------
