@@ -153,16 +153,22 @@ def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
     drawn = sampling.draw(logits, draws, history, batch.num_logit_rows, row_tile,
                           batch.with_logprobs, run.sampler)
     state = dataclasses.replace(state, cache=keep_cache_sharding(cache, cfg, mesh), history=history)
-    follow = lambda accepted: rc.proposer.follow(ctx, draft_weights, draft_cache, tokens, positions,
-                                                 slots, feats[0], accepted)
+    follow = lambda accepted, after: rc.proposer.follow(ctx, draft_weights, draft_cache, tokens,
+                                                        positions, slots, feats[0], accepted, after)
+    real = (jnp.arange(batch.logit_rows.shape[0]) < batch.num_logit_rows) & (batch.draws.target < 0)
+    after = jnp.full(tokens.shape, -1, jnp.int32).at[     # per row, the token drawn after it
+        jnp.where(real, batch.logit_rows, tokens.shape[0])].set(drawn.tokens, mode="drop")
     if spec is None:
         if features:                    # a round none of whose slots speculates
-            draft_cache = follow(None)
+            draft_cache = follow(None, after)
         return dataclasses.replace(state, draft_cache=draft_cache), replicated(drawn, mesh), None
     accepted, out, drawn = rc.rule.accept(dataclasses.replace(ctx, history=history), drafts, k,
                                           logq, logits, drawn)
-    if features:
-        draft_cache = follow(accepted)
+    if features:                        # a slot's newest kept row: its emitted token after it
+        newest = jnp.where(live, spec.verify_row + accepted, tokens.shape[0])
+        after = after.at[newest].set(jnp.take_along_axis(out, accepted[:, None], axis=1)[:, 0],
+                                     mode="drop")
+        draft_cache = follow(accepted, after)
     emitted = accept.truncate_at_stops(out, accepted, *accept.left(
         state.table, spec.slots, spec.length, spec.prompt_len, history.shape[1]))
     verified = Verified(accepted=jnp.where(live, accepted, 0), tokens=out,

@@ -84,17 +84,20 @@ def test_the_paged_head_drafts_what_the_dense_head_drafts(pair):
                   k_max=K, compares_distributions=False, run=run)
     proposer = run.round.proposer
     # the prompt's rows, as a prefill round feeds them (two chunks: the second reads the
-    # features the first kept)
+    # features the first kept, and its last row is followed by the drawn token)
     hs = eagle.HeadState.zeros(run.head, 1 + MAX_LEN // BLOCK, BLOCK, 1)
     feats = _dense_features(weights, tokens[:p])
     for lo, hi in ((0, 5), (5, p)):
         n = hi - lo
         pad = lambda x, fill: jnp.asarray(np.concatenate([x, np.full(8 - n, fill)]), jnp.int32)
+        drawn = np.full(n, -1)
+        drawn[-1] = tokens[p] if hi == p else -1
         hs = proposer.follow(ctx, placed, hs, pad(np.asarray(tokens[lo:hi]), 0),
                              pad(np.arange(lo, hi), -1), pad(np.zeros(n), -1),
                              jnp.concatenate([feats[lo:hi], jnp.zeros((8 - n, feats.shape[1]))]),
-                             None)
+                             None, pad(drawn, -1))
     assert int(hs.feature_pos[0]) == p - 1
+    assert int(hs.out_pos[0]) == p - 1 and int(hs.out_token[0]) == tokens[p]
     # a round's drafts: greedy, from the kept features and the drawn token
     table = sampling.Sampling.from_params(SamplingParams(temperature=0, max_tokens=20,
                                                          ignore_eos=True), eos_token_ids=[])

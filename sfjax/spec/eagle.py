@@ -330,25 +330,37 @@ def place(w: HeadWeights, embed) -> HeadWeights:
 @dataclasses.dataclass
 class HeadState:
     """What the head keeps between rounds (the round's draft cache for ``eagle3``): its K/V pages
-    on the target's block tables, and per slot the target's features at the newest position
-    whose successor token was not yet fed (the head's next row reads them) with that position
-    (-1: none; a round drafts for a slot only when it is the slot's length - 2)."""
+    on the target's block tables; per slot the target's features at the newest position whose
+    successor token was not yet fed (the head's next row reads them), with that position (-1:
+    none); and per slot the head's row at its newest position q, which the round computes once
+    the token at q + 1 is drawn: its pre-norm output (the first draft's logits, and the hidden
+    input of the second), q (-1: none) and that token. A round drafts for a slot only when that
+    row is at its length - 2 with its last token."""
     cache: KVCache
     feature: jax.Array       # [max_seqs, 3 x target d]
     feature_pos: jax.Array   # int32 [max_seqs]
+    out: jax.Array           # [max_seqs, d]
+    out_pos: jax.Array       # int32 [max_seqs]
+    out_token: jax.Array     # int32 [max_seqs]
 
     @classmethod
     def zeros(cls, cfg: HeadConfig, num_blocks: int, block_size: int, max_seqs: int) -> "HeadState":
+        dtype = cfg.layer.jnp_dtype
         return cls(cache=KVCache.zeros(cfg.layer, num_blocks, block_size),
-                   feature=jnp.zeros((max_seqs, 3 * cfg.target_hidden_size), cfg.layer.jnp_dtype),
-                   feature_pos=jnp.full((max_seqs,), -1, jnp.int32))
+                   feature=jnp.zeros((max_seqs, 3 * cfg.target_hidden_size), dtype),
+                   feature_pos=jnp.full((max_seqs,), -1, jnp.int32),
+                   out=jnp.zeros((max_seqs, cfg.layer.hidden_size), dtype),
+                   out_pos=jnp.full((max_seqs,), -1, jnp.int32),
+                   out_token=jnp.zeros((max_seqs,), jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def forget(state: HeadState, slot) -> HeadState:
-    """Drops ``slot``'s kept features (a request admitted there after a prefix-cache hit: the
-    head's K/V before its first computed position is the cached block's own). DONATES ``state``."""
-    return dataclasses.replace(state, feature_pos=state.feature_pos.at[slot].set(-1))
+    """Drops ``slot``'s kept features and row (a request admitted there after a prefix-cache
+    hit: the head's K/V before its first computed position is the cached block's own).
+    DONATES ``state``."""
+    return dataclasses.replace(state, feature_pos=state.feature_pos.at[slot].set(-1),
+                               out_pos=state.out_pos.at[slot].set(-1))
 
 
 def paged(w: HeadWeights, cfg: HeadConfig, cache: KVCache, tokens, inputs, positions, slots,
@@ -382,3 +394,11 @@ def paged(w: HeadWeights, cfg: HeadConfig, cache: KVCache, tokens, inputs, posit
 
     out, lg = r.apply(last, hidden, attn)
     return out, lg, KVCache(k=kc, v=vc)
+
+
+def paged_logits(w: HeadWeights, cfg: HeadConfig, prenorm, valid, *, row_tile: int,
+                 kernel: str | None):
+    """``logits`` of the pre-norm outputs ``prenorm`` [N, d] (``paged``'s), in ``rows`` tiles (or
+    kernels) over the ``valid`` rows [N], so a row's bits never depend on the call."""
+    r = rows.Rows(valid, row_tile, (), kernel)
+    return r.apply(lambda o: logits(w, cfg, o, r.matmul), prenorm)

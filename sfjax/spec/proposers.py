@@ -183,13 +183,16 @@ class Eagle:
     ``HeadState`` are the round's draft arguments), keyed as ``DraftModel``'s.
 
     The head's row at position q reads the target's features at q and the token at q + 1, so a
-    row can run only once that token is fed. ``follow`` runs after the target's forward: for
-    every row the round fed and kept (prefill rows, and verify rows up to the accepted ones) the
-    head's row one position earlier, with the features of the row before it (or, for a slot's
-    first row, those the state kept); then it keeps each slot's newest features. So the head's
-    K/V at q is always computed from the features at q and the token at q + 1 alone, whatever
-    the rounds were. ``propose`` then starts from the kept features at L - 2 and the last token,
-    and feeds the head its own outputs for the other k - 1 drafts (``lax.scan``)."""
+    row can run only once that token is known. ``follow`` runs after the target's forward, in
+    one pass of the head: for every row the round fed and kept (prefill rows, and verify rows up
+    to the accepted ones) the head's row one position earlier, with the features of the row
+    before it (or, for a slot's first row, those the state kept), except a slot's last token's
+    row whose head row the previous round made; and for each slot's newest row whose next token
+    the round drew, the head's row there with that token, kept with its output; then it keeps
+    each slot's newest features. So the head's K/V at q is always computed from the features at
+    q and the token at q + 1 alone, whatever the rounds were. ``propose`` then draws the first
+    draft from the kept row's output (the head's logits alone, no layer), and feeds the head its
+    own outputs for the other k - 1 drafts (``lax.scan``)."""
     k_max: int
     head: Any                 # eagle.HeadConfig
 
@@ -204,19 +207,24 @@ class Eagle:
                            ctx.block_tables, fused=fused, with_logits=with_logits,
                            row_tile=run.row_tile, kernel=run.matmul, attention=run.attention)
 
+    @staticmethod
+    def _ready(hs, slots, length, last):
+        """bool: each slot's row at its length - 2 with its last token is kept (``follow``)."""
+        at = jnp.maximum(slots, 0)
+        return (slots >= 0) & (hs.out_pos[at] == length - 2) & (hs.out_token[at] == last)
+
     def propose(self, ctx, hw, hs):
-        spec = ctx.spec
+        spec, run = ctx.spec, ctx.run
         s = spec.slots.shape[0]
-        sd = -(-s // ctx.run.row_tile) * ctx.run.row_tile    # slot rows padded to whole tiles
+        sd = -(-s // run.row_tile) * run.row_tile            # slot rows padded to whole tiles
         grow = lambda x, fill: jnp.concatenate([x, jnp.full((sd - s, *x.shape[1:]), fill, x.dtype)])
         slots, length = grow(spec.slots, -1), grow(spec.length, 0)
         live, at = slots >= 0, jnp.maximum(slots, 0)
-        k = jnp.where(live & (hs.feature_pos[at] == length - 2), grow(spec.k, 0), 0)
-        one = functools.partial(_draw_draft, ctx, slots, length, k, live, s)
-        pos = jnp.where(k > 0, length - 2, -1)
         last = ctx.history[at, jnp.maximum(length - 1, 0)]
-        h, lg, cache = self._paged(ctx, hw, hs.cache, last, hs.feature[at], pos,
-                                   jnp.where(pos >= 0, slots, -1), fused=True)
+        k = jnp.where(self._ready(hs, slots, length, last), grow(spec.k, 0), 0)
+        one = functools.partial(_draw_draft, ctx, slots, length, k, live, s)
+        h = hs.out[at]
+        lg = eagle.paged_logits(hw, self.head, h, k > 0, row_tile=run.row_tile, kernel=run.matmul)
         d0, q0, history = one(lg, 0, ctx.history)
 
         def step(carry, j):
@@ -227,19 +235,21 @@ class Eagle:
             d, logq, history = one(lg, j, history)
             return (d, h, cache, history), (d, logq)
 
-        (_, _, cache, _), (ds, qs) = _scan_drafts(ctx, step, (d0, h, cache, history), k,
+        (_, _, cache, _), (ds, qs) = _scan_drafts(ctx, step, (d0, h, hs.cache, history), k,
                                                   self.k_max)
         drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]
         logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]
         return (drafts, k[:s], logq if ctx.compares_distributions else None,
                 dataclasses.replace(hs, cache=cache))
 
-    def follow(self, ctx, hw, hs, tokens, positions, slots, features, accepted):
+    def follow(self, ctx, hw, hs, tokens, positions, slots, features, accepted, drawn):
         """The head's rows for what the round fed and kept (``tokens``, ``positions``, ``slots``:
         the round's rows, its verify rows filled; ``features``: the target's there;
-        ``accepted`` [S] per speculating slot, or None), and each slot's newest features."""
+        ``accepted`` [S] per speculating slot, or None; ``drawn`` int32: per row, the token the
+        round drew after it, else -1), and each slot's newest features and row."""
         n, max_seqs = tokens.shape[0], hs.feature.shape[0]
         valid = (slots >= 0) & (positions >= 0)
+        made = jnp.zeros(n, jnp.bool_)            # head rows the previous round made
         if accepted is not None:                       # rejected verify rows are not kept
             spec = ctx.spec
             j = jnp.arange(1, self.k_max + 1)[None, :]
@@ -247,18 +257,33 @@ class Eagle:
             rows = jnp.where(own, spec.verify_row[:, None] + j, n)
             rejected = jnp.zeros(n, jnp.bool_).at[rows].set(j > accepted[:, None], mode="drop")
             valid &= ~rejected
+            ready = self._ready(hs, spec.slots, spec.length, tokens[spec.verify_row])
+            made = made.at[jnp.where(ready, spec.verify_row, n)].set(True, mode="drop")
         prev = lambda x, fill: jnp.concatenate([jnp.full((1, *x.shape[1:]), fill, x.dtype), x[:-1]])
         nxt = lambda x, fill: jnp.concatenate([x[1:], jnp.full((1, *x.shape[1:]), fill, x.dtype)])
         at = jnp.maximum(slots, 0)
         after_prev = prev(valid, False) & (prev(slots, -1) == slots) & (prev(positions, -2) == positions - 1)
         kept = hs.feature_pos[at] == positions - 1
-        run = valid & (positions >= 1) & (after_prev | kept)
+        run = valid & (positions >= 1) & (after_prev | kept) & ~made
         feats = jnp.where(after_prev[:, None], prev(features, 0), hs.feature[at])
-        pos = jnp.where(run, positions - 1, -1)
-        _, _, cache = self._paged(ctx, hw, hs.cache, tokens, feats, pos,
-                                  jnp.where(run, slots, -1), fused=True, with_logits=False)
         newest = valid & ~(nxt(valid, False) & (nxt(slots, -1) == slots)
                            & (nxt(positions, -2) == positions + 1))
+        ahead = newest & (drawn >= 0)
+        # one pass: the rows one position back, then each slot's newest row with its drawn
+        # token, packed to the front (tiles past the last row are skipped)
+        pos = jnp.concatenate([jnp.where(run, positions - 1, -1), jnp.where(ahead, positions, -1)])
+        m = n + min(n, -(-max_seqs // ctx.run.row_tile) * ctx.run.row_tile)
+        to = jnp.where(pos >= 0, jnp.cumsum(pos >= 0) - 1, m)
+        pack = lambda x, fill: jnp.full((m, *x.shape[1:]), fill, x.dtype).at[to].set(x, mode="drop")
+        both = lambda a, b: jnp.concatenate([a, b])
+        out, _, cache = self._paged(ctx, hw, hs.cache, pack(both(tokens, drawn), 0),
+                                    pack(both(feats, features), 0), pack(pos, -1),
+                                    pack(both(slots, slots), -1), fused=True, with_logits=False)
+        out = out[jnp.minimum(to[n:], m - 1)]
         to = jnp.where(newest, slots, max_seqs)
+        mine = jnp.where(ahead, slots, max_seqs)
+        put = lambda x, v: x.at[mine].set(v, mode="drop")
         return eagle.HeadState(cache=cache, feature=hs.feature.at[to].set(features, mode="drop"),
-                               feature_pos=hs.feature_pos.at[to].set(positions, mode="drop"))
+                               feature_pos=hs.feature_pos.at[to].set(positions, mode="drop"),
+                               out=put(hs.out, out.astype(hs.out.dtype)),
+                               out_pos=put(hs.out_pos, positions), out_token=put(hs.out_token, drawn))
