@@ -146,10 +146,10 @@ def _sends(eng):
     sent, progs = [], eng.programs
     eng.programs = dataclasses.replace(
         progs,
-        update_slots=lambda state, slots, *rows: sent.append(("slots", slots)) or progs.update_slots(
-            state, slots, *rows),
-        update_blocks=lambda tables, slots, rows: sent.append(("blocks", slots)) or progs.update_blocks(
-            tables, slots, rows))
+        update_slots=lambda state, slots, *rows: (sent.append(("slots", slots))
+                                                  or progs.update_slots(state, slots, *rows)),
+        update_blocks=lambda tables, slots, rows: (sent.append(("blocks", slots))
+                                                   or progs.update_blocks(tables, slots, rows)))
     try:
         yield sent
     finally:
@@ -201,7 +201,8 @@ def test_decoding_on_the_device_sends_nothing_between_calls(llm):
     one-step-per-call engine's (``test_rounds``); here, the traffic: the prefill call sends the
     admission, the first call of rounds the slot's progress, and the next call nothing."""
     eng = llm.engine
-    with _sends(eng) as sent:   # 2 + 14 tokens: one 16-token block; a prefill call, rounds of 8, of 6
+    # 2 + 14 tokens: one 16-token block; a prefill call, then rounds of 8 and of 6
+    with _sends(eng) as sent:
         eng.add_request("one", {"prompt_token_ids": [5, 9]},
                         SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
         calls = []

@@ -6,12 +6,12 @@ length, newest token, counters, whether the device lays out its rows) live in
 before each device call ``SlotSync.sync`` sends the rows of the slots whose pages, request or
 progress changed since the last (one small donated program, ``step.update_slots``, over a bucket
 of at least 8 slots, ``rows_for``; ``step.update_blocks``, over the block tables alone, when only
-pages changed, as when a decoding request grows into a new block), and nothing when none did. The device advances the progress
-of the slots it runs rounds for, and the host's record follows from what it reads back
-(``advanced``): while every request decodes on the device, calls send nothing but their
-scalars. A freed slot's block row follows the host's (cleared) like any other; its sampling row
-stays until the next request takes the slot: nothing reads a free slot's settings (a row of a
-free slot is padding).
+pages changed, as when a decoding request grows into a new block), and nothing when none did.
+The device advances the progress of the slots it runs rounds for, and the host's record follows
+from what it reads back (``advanced``): while every request decodes on the device, calls send
+nothing but their scalars. A freed slot's block row follows the host's (cleared) like any
+other; its sampling row stays until the next request takes the slot: nothing reads a free
+slot's settings (a row of a free slot is padding).
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ class SlotSync:
         for req in running:
             now[req.slot] = req
         changed = np.array([a is not b for a, b in zip(now, self._held)])
-        widths = self._widths_of([r for r in now if r is not None]) if changed.any() else self._widths
+        widths = (self._widths_of([r for r in now if r is not None]) if changed.any()
+                  else self._widths)
         if widths != self._widths:
             live = [s for s in range(n) if now[s] is not None]
             table = self._table([now[s] for s in live], live, n, widths)

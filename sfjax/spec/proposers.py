@@ -286,4 +286,5 @@ class Eagle:
         return eagle.HeadState(cache=cache, feature=hs.feature.at[to].set(features, mode="drop"),
                                feature_pos=hs.feature_pos.at[to].set(positions, mode="drop"),
                                out=put(hs.out, out.astype(hs.out.dtype)),
-                               out_pos=put(hs.out_pos, positions), out_token=put(hs.out_token, drawn))
+                               out_pos=put(hs.out_pos, positions),
+                               out_token=put(hs.out_token, drawn))
