@@ -109,6 +109,14 @@ def _verify_rows(tokens, positions, slots, spec: SpecBatch, drafts, k):
             slots.at[rows].set(jnp.where(keep, spec.slots[:, None], -1), mode="drop"))
 
 
+def _drawn_after(batch: StepBatch, drawn: sampling.Drawn, n: int):
+    """int32 [n]: per row of the batch, the token drawn from its logits (a draw, not a prompt
+    logprob's), else -1."""
+    real = (jnp.arange(batch.logit_rows.shape[0]) < batch.num_logit_rows) & (batch.draws.target < 0)
+    return jnp.full((n,), -1, jnp.int32).at[jnp.where(real, batch.logit_rows, n)].set(
+        drawn.tokens, mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("state",))
 def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
                spec: SpecBatch | None, *, run):
@@ -155,9 +163,7 @@ def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
     state = dataclasses.replace(state, cache=keep_cache_sharding(cache, cfg, mesh), history=history)
     follow = lambda accepted, after: rc.proposer.follow(ctx, draft_weights, draft_cache, tokens,
                                                         positions, slots, feats[0], accepted, after)
-    real = (jnp.arange(batch.logit_rows.shape[0]) < batch.num_logit_rows) & (batch.draws.target < 0)
-    after = jnp.full(tokens.shape, -1, jnp.int32).at[     # per row, the token drawn after it
-        jnp.where(real, batch.logit_rows, tokens.shape[0])].set(drawn.tokens, mode="drop")
+    after = _drawn_after(batch, drawn, tokens.shape[0]) if features else None
     if spec is None:
         if features:                    # a round none of whose slots speculates
             draft_cache = follow(None, after)
