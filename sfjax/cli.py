@@ -38,6 +38,7 @@ def _llm(args, default_spec: dict | None = None):
                max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=not args.no_prefix_caching,
                num_scheduler_steps=args.num_scheduler_steps, speculative_config=spec,
+               async_scheduling=not args.no_async_scheduling,
                small_row_tiles=not args.no_small_row_tiles, attention=args.attention,
                compiler_options=options)
 
@@ -227,6 +228,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="decode rounds per host call while every request decodes (1..1024)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read every call back before sending the next (by default, while every "
+                        "request decodes and none waits, the next call is sent first)")
     p.add_argument("--attention", default="auto",
                    help="paged attention: auto (the Pallas kernel on GPU/TPU, the reference by query "
                         "blocks on CPU), reference, reference_tiles (faster for batched CPU serving), "

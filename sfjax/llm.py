@@ -72,7 +72,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, seed: int = 0, row_tile: int = 8,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, sampler: str = "auto",
                  attention: str = "auto", enable_prefix_caching: bool = True,
-                 num_scheduler_steps: int = 8, small_row_tiles: bool = True,
+                 num_scheduler_steps: int = 8, async_scheduling: bool = True,
+                 small_row_tiles: bool = True,
                  layer_loop: str = "auto", matmul: str | None = "auto",
                  compiler_options: dict | None = None,
                  speculative_config: dict | SpeculativeConfig | None = None,
@@ -93,7 +94,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             seed=seed, row_tile=row_tile, kv_cache_bytes=kv_cache_bytes, sampler=sampler,
             attention=attention, enable_prefix_caching=enable_prefix_caching,
-            num_scheduler_steps=num_scheduler_steps, small_row_tiles=small_row_tiles,
+            num_scheduler_steps=num_scheduler_steps, async_scheduling=async_scheduling,
+            small_row_tiles=small_row_tiles,
             layer_loop=layer_loop, matmul=matmul, compiler_options=compiler_options)
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if not os.path.isdir(model):

@@ -12,6 +12,8 @@ import pytest
 
 from engine_checks import compiles
 from sfjax import LLM, SamplingParams, sampling, toy
+from sfjax.engine import rounds
+from sfjax.engine.slots import SlotSync
 from sfjax.spec import config as spec_config
 from sfjax.step import Progress
 
@@ -125,12 +127,22 @@ def test_max_model_len_ends_with_length(llm):
 
 def _device_rows_follow_the_host(eng):
     """The live slots' block tables and sampling rows on the device are the host's, bit for bit,
-    and every slot's progress is the host's record of it (``SlotSync.progress``)."""
+    and every slot's progress is the host's record of it (``SlotSync.progress``), advanced by
+    the call in flight if one is (sent before the last was read back: ``async_scheduling``)."""
     running = eng.scheduler.running
     tables, table, progress = jax.device_get((eng.state.block_tables, eng.state.table,
                                               eng.state.progress))
-    for got, want in zip(jax.tree.leaves(progress), jax.tree.leaves(
-            Progress.of_rows(eng.slots.progress))):
+    record = eng.slots.progress
+    if eng._inflight is not None:       # what reading it back will record, on a copy
+        call = eng._inflight
+        n, tokens, length, live, drafted, accepted = rounds.unpack(
+            np.asarray(call.result[0]), eng.programs.max_rounds)
+        ahead = SlotSync(eng.block_tables, None, lambda reqs: None)
+        ahead.progress = record.copy()
+        ahead.advanced(call.slots, length[call.slots], live[call.slots], tokens,
+                       drafted[:n, call.slots], accepted[:n, call.slots])
+        record = ahead.progress
+    for got, want in zip(jax.tree.leaves(progress), jax.tree.leaves(Progress.of_rows(record))):
         assert got.tobytes() == want.tobytes()
     widths = (table.stop_ids.shape[1], table.bias.shape[1], table.allowed.shape[1])
     fresh = eng.batches.table(running, widths=widths)

@@ -9,6 +9,7 @@ import pytest
 
 from sfjax import LLM, SamplingParams, toy
 from sfjax.engine.engine import EngineConfig
+from sfjax.engine.scheduler import Status
 from sfjax.engine.slots import LENGTH, LIVE
 from engine_checks import check_engine, check_idle
 
@@ -222,13 +223,13 @@ def _spy_calls(eng):
     marks live and their lengths: ``Engine._call`` wrapped on the instance."""
     calls, call = [], eng._call
 
-    def spy(batch, sb, rows, progress, *args, **kwargs):
+    def spy(batch, sb, rows, with_logprobs, progress, *args, **kwargs):
         real = np.asarray(batch.slots) >= 0
         live = [] if progress is None else np.flatnonzero(progress[:, LIVE]).tolist()
         calls.append((list(zip(np.asarray(batch.slots)[real].tolist(),
                                np.asarray(batch.positions)[real].tolist())), list(rows), live,
                       [] if progress is None else progress[live, LENGTH].tolist()))
-        return call(batch, sb, rows, progress, *args, **kwargs)
+        return call(batch, sb, rows, with_logprobs, progress, *args, **kwargs)
 
     eng._call = spy
     return calls
@@ -285,3 +286,107 @@ def test_a_row_whose_pages_do_not_hold_its_drafts_drafts_none(tiny_folder, folde
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert refused, "no row's pages were refused growth for its drafts"
     check_idle(tight.engine)
+
+
+def _spy_follows(eng):
+    """Counts the calls ``Engine._follow`` sends before the one before them is read back, and
+    those of their requests that had ended on the host by the time the call was read (a stop
+    string, an abort, a failure: their tokens dropped)."""
+    seen = {"sent": 0, "dropped": 0, "with_stops": 0}
+    follow, collect = eng._follow, eng._collect
+
+    def spy_follow(call):
+        nxt = follow(call)
+        seen["sent"] += nxt is not None
+        seen["with_stops"] += nxt is not None and any(req.params.stop for req in nxt.decode)
+        return nxt
+
+    def spy_collect(call):
+        seen["dropped"] += sum(req.status is not Status.RUNNING for req in call.decode)
+        return collect(call)
+
+    eng._follow, eng._collect = spy_follow, spy_collect
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram", "draft-rejection", "ngram-threshold"])
+@pytest.mark.parametrize("steps", [1, 8])
+def test_async_scheduling_gives_the_same_outputs(tiny_folder, folders, kind, steps):
+    """The next call sent before the last is read back (``async_scheduling``, the default): every
+    output (tokens, text, finish and stop reasons, logprobs bitwise, speculation counters per
+    request and in total) and the device rounds equal an engine that reads each call back before
+    sending the next, with stop strings that end requests on the host while the next call runs
+    (its tokens for them are dropped) and every device stop rule. Calls went out early, but
+    under a speculation threshold none with a request that has stop strings: the device would
+    count it as running after the host had ended it (``Engine._follow``)."""
+    spec = _spec(kind.replace("-threshold", ""), folders)
+    if kind == "ngram-threshold":
+        spec = dict(spec, disable_by_batch_size=3)
+    params = [dataclasses.replace(p, stop=stop, logprobs=n) for p, stop, n in
+              zip(_params()[:6], ([" a"], None, ["e "], None, None, ["b"]), (None, 2, None, 0, 5, None))]
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec,
+                  async_scheduling=overlap)
+        seen = _spy_follows(llm.engine)
+        outs = llm.generate(PROMPTS[:6], params, use_tqdm=False)
+        m = llm.get_metrics()
+        runs[overlap] = (_summary(outs), [(o.outputs[0].logprobs, o.outputs[0].cumulative_logprob,
+                                           o.metrics.spec_decode) for o in outs],
+                         m["steps"], m.get("spec_decode"), seen)
+        check_idle(llm.engine)
+    off, on = runs[False], runs[True]
+    assert on[:2] == off[:2] and on[3] == off[3]
+    assert on[2] >= off[2]          # more device rounds only for requests ended on the host
+    assert off[4] == {"sent": 0, "dropped": 0, "with_stops": 0}
+    assert on[4]["sent"] > 0, "no call went out before the last was read back"
+    if kind == "ngram-threshold":
+        assert on[4]["with_stops"] == 0
+    else:
+        assert on[4]["with_stops"] > 0 and on[4]["dropped"] > 0, on[4]
+    assert any(o[3] is not None for o in on[0]), "no stop string ended a request"
+
+
+def test_aborts_failures_and_arrivals_while_a_call_is_in_flight(tiny_folder, folders):
+    """Each while a call is in flight (sent before the last was read back): a request is aborted,
+    one fails as its tokens are read (its detokenizer raises), and one arrives. The aborted one
+    ends with its tokens so far (a prefix of its own) and gets nothing after; the failed one ends
+    with its error; the others' tokens equal each one's run alone; the invariants hold after
+    every step, and nothing leaks."""
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=9, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=10, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)]
+    llm = LLM(tiny_folder, **GEOMETRY, speculative_config=_spec("ngram", folders))
+    alone = [llm.generate([PROMPTS[i]], params[i], use_tqdm=False)[0].outputs[0].token_ids
+             for i in range(4)]
+
+    def fails(token):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "boom while detokenizing")
+
+    eng = llm.engine
+    for i in range(3):
+        eng.add_request(f"r{i}", PROMPTS[i], params[i])
+    outs, events = {}, []
+    while eng.has_unfinished_requests():
+        if eng._inflight is not None and len(events) < 3:
+            event = ("abort", "fail", "arrive")[len(events)]
+            events.append(event)
+            if event == "abort":
+                eng.abort("r0")
+            elif event == "fail":
+                eng.requests["r1"].detok.add = fails
+            else:
+                eng.add_request("r3", PROMPTS[3], params[3])
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+        check_engine(eng)
+    check_idle(eng)
+    assert events == ["abort", "fail", "arrive"], "no call was in flight for each event"
+    last = {k: v[-1] for k, v in outs.items()}
+    assert [sum(o.finished for o in outs[k]) for k in sorted(outs)] == [1] * 4
+    assert last["r0"].outputs[0].finish_reason == "abort"
+    got = last["r0"].outputs[0].token_ids
+    assert 0 < len(got) < len(alone[0]) and got == alone[0][:len(got)]
+    assert last["r1"].outputs[0].finish_reason == "error" and "boom" in last["r1"].error
+    assert [last[f"r{i}"].outputs[0].token_ids for i in (2, 3)] == [alone[2], alone[3]]

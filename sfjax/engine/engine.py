@@ -33,7 +33,7 @@ from sfjax.sampling_params import SamplingParams
 from sfjax.engine import compile, programs, rounds, speculation
 from sfjax.engine.batch import BatchBuilder, bucket, layout, pack
 from sfjax.engine.output import OutputProcessor
-from sfjax.engine.slots import SlotSync
+from sfjax.engine.slots import LIVE, SlotSync
 from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
@@ -61,6 +61,9 @@ class EngineConfig:
     matmul: str | None = "auto"            # RunConfig.matmul: "auto", None (row tiles) or a kernel
     enable_prefix_caching: bool = True     # share full KV blocks across requests by content hash
     num_scheduler_steps: int = 8           # decode rounds per host call when every request decodes
+    # while every running request decodes and none waits, send the next call before reading
+    # this one back, so the host's work on its tokens overlaps the device's (Engine._follow)
+    async_scheduling: bool = True
     # CPU, one device: a step whose valid rows fit a tile of 2 or 4 runs in that tile, where it is
     # certified to keep row_tile's bits (rows.certify_row_tiles)
     small_row_tiles: bool = True
@@ -83,9 +86,25 @@ class EngineConfig:
         C.boolean(f("enable_prefix_caching"), self.enable_prefix_caching)
         C.integer(f("num_scheduler_steps"), self.num_scheduler_steps, 1, 1024)
         C.boolean(f("small_row_tiles"), self.small_row_tiles)
+        C.boolean(f("async_scheduling"), self.async_scheduling)
         object.__setattr__(self, "compiler_options",
                            compiler_options(f("compiler_options"), self.compiler_options))
         C.integer(f("seed"), self.seed, 0, 2**64 - 1, allowed="an int in [0, 2**64)")
+
+
+@dataclasses.dataclass
+class Call:
+    """A device call sent (``Engine._launch``, ``Engine._follow``) and what reading it back
+    needs."""
+    decode: list[Request]     # the requests whose slots the device laid out
+    slots: np.ndarray         # int32 [D]: their slots when it was sent
+    prefill: list[Scheduled]  # the host's rows (prefill chunks)
+    meta: list                # their logit rows (BatchBuilder.build's)
+    drafts: dict[str, int]    # each decoding request's drafts in the first round, by id
+    num_rounds: int
+    reach: np.ndarray         # int [D]: the most tokens each of ``decode`` can hold after it
+    args: tuple               # (batch, draft rows, host rows per shard, with_logprobs)
+    result: tuple             # (out, logprobs, drawn) on the device
 
 
 def host(tree):
@@ -188,6 +207,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._held: dict[str, RequestOutput] = {}      # outputs for the next step
         self._plan, self._dispatched = [], False
+        self._inflight: Call | None = None          # sent, not yet read back (_follow)
         self._arrivals = 0
         self.stats = {"steps": 0, "host_steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self.outputs = OutputProcessor(tokenizer, eos_token_ids=self.eos_token_ids,
@@ -355,8 +375,10 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules, runs one device call, and returns an output for every request that got
-        tokens or ended (aborted and failed ones included), one per request.
+        """Reads back one device call (the one sent ahead by the last step under
+        ``async_scheduling``, else one it schedules and sends now) and returns an output for
+        every request that got tokens or ended (aborted and failed ones included), one per
+        request.
 
         A failure while building one request's rows finishes that request with
         finish_reason "error" (``RequestOutput.error``) and leaves the others as they were, to
@@ -388,11 +410,28 @@ class Engine:
         return found
 
     def _step(self) -> list[RequestOutput]:
+        """Reads back the call in flight, else launches one (``_launch``); with
+        ``async_scheduling``, the next call goes out before this one is read (``_follow``)."""
+        call, self._inflight = self._inflight, None
+        if call is None:
+            call = self._launch()
+            if call is None:
+                return []
+        self._inflight = follow = self._follow(call) if self.config.async_scheduling else None
+        outputs = self._collect(call)
+        if follow is not None and all(r.status is not Status.RUNNING for r in follow.decode):
+            self._inflight = None        # each of its requests ended in ``call``: read it now
+            self._collect(follow)
+        return outputs
+
+    def _launch(self) -> Call | None:
+        """Schedules (admission, chunked prefill, preemption) and dispatches one call; None when
+        nothing is scheduled."""
         self._plan = plan = self.scheduler.schedule()
         if not plan:
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError("the scheduler could not place any request (KV cache too small)")
-            return []
+            return None
         now = time.monotonic()
         for s in plan:
             if s.request.first_scheduled_time is None:
@@ -403,8 +442,6 @@ class Engine:
                 self.state = self.programs.write_history(self.state, np.int32(s.request.slot), row, np.int32(s.cached))
                 if self.programs.forget is not None:     # an EAGLE head's kept features
                     self.state = self.programs.forget(self.state, np.int32(s.request.slot))
-        self.stats["steps"] += 1                 # device rounds
-        self.stats["host_steps"] += 1            # calls that ran the device (several rounds each)
         decode = [s.request for s in plan if self._is_decode(s)]
         prefill = [s for s in plan if not self._is_decode(s)]
         # each decoding request's drafts this round, as the device picks them (before its pages)
@@ -421,23 +458,72 @@ class Engine:
                                   bool(self.spec) and req.strategy_slot == self.spec.slot)
         with_logprobs = any(req.params.logprobs is not None for req in decode)
         batch, draft, meta, rows = self._host_rows(prefill, decode, with_logprobs)
-        out, logprobs, drawn = self._call(batch, draft, rows, progress, num_rounds,
-                                          bool(self.scheduler.waiting), with_logprobs,
-                                          len(self.scheduler.running) - len(decode), bool(meta))
-        for s in prefill:
+        args = (batch, draft, rows, with_logprobs)
+        result = self._call(*args, progress, num_rounds, bool(self.scheduler.waiting),
+                            len(self.scheduler.running) - len(decode), bool(meta))
+        return Call(decode, np.array([req.slot for req in decode], np.int32), prefill, meta,
+                    drafts, num_rounds, self._reach(decode, num_rounds), args, result)
+
+    def _reach(self, decode: list[Request], num_rounds: int, start=None) -> np.ndarray:
+        """The most tokens each of ``decode`` can hold after ``num_rounds`` rounds from ``start``
+        (int [D]; default its tokens now): k + 1 a round, up to prompt + max_tokens."""
+        k1 = self.spec.k_max + 1 if self.spec else 1
+        if start is None:
+            start = np.array([req.num_tokens for req in decode], np.int64)
+        end = np.array([len(req.prompt_token_ids) + req.max_tokens for req in decode], np.int64)
+        return np.minimum(start + num_rounds * k1, end)
+
+    def _follow(self, call: Call) -> Call | None:
+        """The next call, dispatched before ``call`` is read back, when it can be planned without
+        ``call``'s results: ``call`` only decoded, and still does every running request, nothing
+        waits, some request may outlive ``call`` (each round emits a token for each live row),
+        and the pages for ``call``'s rounds again past the most ``call`` can emit can be had. It
+        runs ``call``'s rounds in ``call``'s bucket over the slot state ``call`` leaves on the
+        device (sending only new pages): the same rounds a later call would run, so the same
+        tokens; a row that ended in ``call`` is not live there (``rounds.call``), and the tokens
+        of a request that ended on the host (a stop string, an abort, a failure) are dropped
+        when it is read. Not with a stop string while the speculation threshold
+        (``disable_by_batch_size``) counts rows: the device would count that request as live."""
+        sched, decode = self.scheduler, call.decode
+        if (call.prefill or not decode or sched.waiting or len(sched.running) != len(decode)
+                or any(req.status is not Status.RUNNING for req in decode)
+                or not self.slots.progress[call.slots, LIVE].all()
+                or (self.spec is not None and self.spec.config.disable_by_batch_size is not None
+                    and any(req.params.stop for req in decode))):
+            return None
+        if all(req.num_tokens + call.num_rounds >= len(req.prompt_token_ids) + req.max_tokens
+               for req in decode):
+            return None              # every request ends in ``call``
+        reach = self._reach(decode, call.num_rounds, call.reach)
+        if not sched.can_grow(list(zip(decode, reach))):
+            return None
+        for req, upto in zip(decode, reach):
+            sched.grow(req, int(upto))
+        result = self._call(*call.args, None, call.num_rounds, False, 0, False)
+        return dataclasses.replace(call, reach=reach, result=result)
+
+    def _collect(self, call: Call) -> list[RequestOutput]:
+        """Reads ``call`` back: its host rows' draws, its decoding requests' tokens (those still
+        running: one that ended since ``call`` was sent gets none) and counters."""
+        out, logprobs, drawn = host(call.result)
+        for s in call.prefill:
             self.scheduler.set_computed(s.request, s.start + s.count)
-        outputs = self._read_rows(meta, drawn, 0) if meta else []
-        n, tokens, new_len, drafted, accepted = rounds.unpack(out, self.programs.max_rounds)
-        if decode:               # what the rounds left on the device (new tokens, counters)
-            at = np.array([req.slot for req in decode])
-            self.slots.advanced(at, new_len[at], tokens, drafted[:n, at], accepted[:n, at])
-        self.stats["steps"] += n - 1                        # device rounds
-        for req in decode:
-            read = lambda: self._read_rounds(req, tokens[req.slot], int(new_len[req.slot]),
-                                             drafted[:n, req.slot], accepted[:n, req.slot],
-                                             drafts.get(req.request_id, 0) > 0,
+        outputs = self._read_rows(call.meta, drawn, 0) if call.meta else []
+        n, tokens, new_len, live, drafted, accepted = rounds.unpack(out, self.programs.max_rounds)
+        if call.decode:          # what the rounds left on the device (new tokens, counters)
+            at = call.slots
+            self.slots.advanced(at, new_len[at], live[at], tokens, drafted[:n, at],
+                                accepted[:n, at])
+        self.stats["steps"] += n                           # device rounds
+        self.stats["host_steps"] += n > 0        # calls that ran rounds (a follow may run none)
+        for req, slot in zip(call.decode, call.slots):
+            if req.status is not Status.RUNNING:
+                continue
+            read = lambda: self._read_rounds(req, tokens[slot], int(new_len[slot]),
+                                             drafted[:n, slot], accepted[:n, slot],
+                                             call.drafts.get(req.request_id, 0) > 0,
                                              req.params.logprobs is not None and
-                                             rounds.unpack_logprobs(logprobs, req.slot))
+                                             rounds.unpack_logprobs(logprobs, slot))
             outputs.append(self._guarded(req, read))
         return [o for o in outputs if o is not None]
 
@@ -598,12 +684,12 @@ class Engine:
         return batch, pack(layout(prefill), self.batches.shards(prefill), self.dp,
                            self.config.row_tile, na or 0)[:3], meta
 
-    def _call(self, batch, draft, rows, progress, num_rounds, until_one_ends, with_logprobs,
+    def _call(self, batch, draft, rows, with_logprobs, progress, num_rounds, until_one_ends,
               running=0, read_drawn=False):
-        """The engine's one program (``rounds.call``) on the host's rows and the slots
+        """Dispatches the engine's one program (``rounds.call``) on the host's rows and the slots
         ``progress`` marks live (every slot's row, as ``SlotSync.progress``, sent where it
-        differs from the device's; None: the device's as it is): (out, logprobs, drawn, on
-        the host; drawn only with ``read_drawn``)."""
+        differs from the device's; None: the device's as it is): (out, logprobs, drawn), not
+        yet read back (``host``); drawn only with ``read_drawn``."""
         self._sync(progress)
         program = self.programs.round_logprobs if with_logprobs else self.programs.round
         self.state, out, logprobs, drawn = program(
@@ -613,12 +699,12 @@ class Engine:
         if not with_logprobs:
             self._shapes.add((len(batch.tokens), len(batch.logit_rows),
                               None if draft is None else len(draft[0])))
-        return host((out, logprobs, drawn if read_drawn else None))
+        return out, logprobs, drawn if read_drawn else None
 
     def _run_padding(self, shape: tuple, with_logprobs: bool = False) -> None:
         """A call of no rows and no rounds in ``shape`` (compiles its program: ``precompile``)."""
         batch, draft, _ = self._build([], shape)
-        self._call(batch, draft, [0] * self.dp, None, 0, False, with_logprobs)
+        host(self._call(batch, draft, [0] * self.dp, with_logprobs, None, 0, False))
 
     # -- compiling ahead -----------------------------------------------------------------------
 

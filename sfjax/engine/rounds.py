@@ -60,13 +60,13 @@ def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tu
     its slot). A live slot's progress gives its prompt length, its length and newest token
     (drawn, not yet fed: the engine's history records tokens as they are fed), and its
     request's drafts and accepted drafts so far (adaptive_k reads them); the call advances
-    them. A row that ends stays live: the host reads the end back and sends the slot's next
-    row. ``with_logprobs`` (static: a program of its own, so the rounds without it compute and
+    them. A row that ends is left not live (a call sent before the host reads the end back
+    lays out nothing for it: ``Engine`` under ``async_scheduling``). ``with_logprobs`` (static: a program of its own, so the rounds without it compute and
     carry nothing more): record each new token's raw logprobs.
 
-    Returns (state, out, logprobs, drawn). ``out``, int32 [slots, 2 + W + 2 * max_rounds]: per
-    slot its new length, the rounds run, its W = max_rounds * (k + 1) tokens from its old length
-    on, and the drafts proposed and the accepted drafts emitted in each round (``unpack``): one
+    Returns (state, out, logprobs, drawn). ``out``, int32 [slots, 3 + W + 2 * max_rounds]: per
+    slot its new length, the rounds run, whether it is still live, its W = max_rounds * (k + 1)
+    tokens from its old length on, and the drafts proposed and the accepted drafts emitted in each round (``unpack``): one
     array, so the host reads everything back in one transfer. ``logprobs``, int32 [slots, 2, W,
     21] with ``with_logprobs`` (else None): per token its rank and top-20 ids, then (as float32
     bits) its logprob and the top 20 (``unpack_logprobs``). ``drawn``: the last round's drawn
@@ -83,21 +83,21 @@ def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tu
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
     out = jnp.concatenate([st.progress.length[:, None],
-                           jnp.broadcast_to(n, length.shape)[:, None], tokens, drafted.T,
+                           jnp.broadcast_to(n, length.shape)[:, None],
+                           st.progress.live[:, None].astype(jnp.int32), tokens, drafted.T,
                            accepted.T], axis=1)
     logprobs = (jnp.stack([ids, lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
                 if with_logprobs else None)
-    return (dataclasses.replace(st, progress=dataclasses.replace(st.progress, live=p.live)),
-            out, logprobs, drawn)
+    return st, out, logprobs, drawn
 
 
 def unpack(out, max_rounds: int):
-    """``call``'s read-back on the host: (rounds run, tokens [slots, W], new lengths
-    [slots], drafts and accepted drafts [max_rounds, slots])."""
-    width = out.shape[1] - 2 - 2 * max_rounds
-    rec = out[:, 2 + width:]
-    return (int(out[0, 1]), out[:, 2:2 + width], out[:, 0], rec[:, :max_rounds].T,
-            rec[:, max_rounds:].T)
+    """``call``'s read-back on the host: (rounds run, tokens [slots, W], new lengths [slots],
+    live flags [slots], drafts and accepted drafts [max_rounds, slots])."""
+    width = out.shape[1] - 3 - 2 * max_rounds
+    rec = out[:, 3 + width:]
+    return (int(out[0, 1]), out[:, 3:3 + width], out[:, 0], out[:, 2].astype(bool),
+            rec[:, :max_rounds].T, rec[:, max_rounds:].T)
 
 
 def unpack_logprobs(logprobs, slot: int) -> Drawn:

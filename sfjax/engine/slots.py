@@ -126,17 +126,18 @@ class SlotSync:
             self._held[s] = now[s]
         return state
 
-    def advanced(self, slots: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, drafted,
-                 accepted) -> None:
+    def advanced(self, slots: np.ndarray, lengths: np.ndarray, live: np.ndarray,
+                 tokens: np.ndarray, drafted, accepted) -> None:
         """Records what a call of device rounds left in the progress of ``slots`` (int [D]): their
-        new ``lengths`` [D] and newest tokens (``tokens`` [slots, W]: each slot's tokens from
-        its old length on), and per round run [rounds, D] the drafts proposed and the accepted
-        drafts emitted."""
+        new ``lengths`` [D], whether each is still ``live`` [D] (a row the rounds ended is not),
+        their newest tokens (``tokens`` [slots, W]: each slot's tokens from its old length on),
+        and per round run [rounds, D] the drafts proposed and the accepted drafts emitted."""
         row = self.progress
         grew = lengths - row[slots, LENGTH]
         row[slots, LAST] = np.where(grew > 0, tokens[slots, np.maximum(grew - 1, 0)],
                                     row[slots, LAST])
         row[slots, LENGTH] = lengths
+        row[slots, LIVE] = live
         if drafted.any():
             row[slots, DRAFTED] += drafted.sum(axis=0)
             row[slots, ACCEPTED] += accepted.sum(axis=0)
