@@ -3,14 +3,15 @@
 Run:
     cd /work/main && . .venv/bin/activate && python scripts/bench_host.py
     python scripts/bench_host.py [--batch-sizes 1,32] [--max-tokens 64] [--steps 1,8] [--repeats 3]
-        [--stop STRING ...] [--logprobs N]
+        [--stop STRING ...] [--logprobs N] [--slots N]
 
 Per (batch size B, method plain | ngram, num_scheduler_steps), B prompts of 48 random token ids
 (fixed seed) generate exactly --max-tokens tokens each, half greedy and half seeded T = 0.8 with
 top-p and a presence penalty (so the per-request sampling settings are real work); with
 --stop, every request carries those stop strings (pick ones the output never completes, so the
 work stays the same: the host still checks them after every token); with --logprobs N, every
-request asks for its tokens' top-N logprobs. A warm-up
+request asks for its tokens' top-N logprobs; with --slots N, the engine has N slots
+(max_num_seqs; default max(B, 4)), so with fewer than B the rest wait for one. A warm-up
 run compiles; the timed run wraps the engine's compiled programs so each call blocks until its
 outputs are ready, and splits every ``Engine.step`` into
   * device: the time inside the engine's programs (one round, or several per call);
@@ -84,6 +85,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     ap.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="max_num_seqs (default max(B, 4)); fewer than B: requests wait for slots")
     args = ap.parse_args()
 
     from sfjax import LLM, SamplingParams
@@ -105,7 +108,7 @@ def main():
         for method in ("plain", "ngram"):
             for steps in map(int, args.steps.split(",")):
                 spec = default_speculative_config("ngram") if method == "ngram" else None
-                llm = LLM(default_model_path(), max_num_seqs=max(b, 4), max_model_len=256,
+                llm = LLM(default_model_path(), max_num_seqs=args.slots or max(b, 4), max_model_len=256,
                           num_scheduler_steps=steps, speculative_config=spec)
                 best = run(llm, prompts, params, args.repeats)
                 r, on = best[False, "timed"], best[True, "timed"]

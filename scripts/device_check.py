@@ -35,7 +35,8 @@ Sections, each printed as it finishes (a failing section prints its error and th
    and head, so every greedy draft is accepted: the round's best case. Speculative tokens must
    equal plain ones. Each (engine, batch) runs once to compile, then prefill (max_tokens=1) and
    the whole run are each the best of 2; decode tok/s = batch x (max_tokens - 1) / (whole -
-   prefill).
+   prefill). Plain runs again with async scheduling off (each call read back before the next is
+   sent): its decode tok/s, and whether its tokens are the same.
 8. hf: the peer, HF transformers' greedy ``generate`` (torch, sdpa attention) on the same
    Llama-2-7B shape in bf16 at batch 1, 32 and 128, the same prompt length and tokens, timed the
    same way (``scripts/hf_peer.py``, in a process of its own: it imports no JAX); with e2e's
@@ -333,12 +334,21 @@ def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 2,
                 m = engine.get_metrics()["spec_decode"]
                 row.update(acceptance_rate=m["acceptance_rate"],
                            mean_acceptance_length=m["mean_acceptance_length"])
+            else:       # each call read back before the next is sent: what async scheduling saves
+                on = engine.config
+                engine.config = dataclasses.replace(on, async_scheduling=False)
+                sync, sync_toks = min(generate(engine, prompts, max_tokens) for _ in range(repeats))
+                engine.config = on
+                row.update(sync_decode_tok_s=b * (max_tokens - 1) / (sync - prefill),
+                           sync_equal=sync_toks == toks)
             tokens[name, b] = toks
             out[name][b] = row
             print(f"e2e {name} batch {b} ({engine.run.matmul}): decode {decode:.1f} tok/s "
                   f"({100 * decode / roofline:.0f}% of the {roofline:.0f} tok/s roofline), prefill "
                   f"{prefill * 1e3:.0f} ms, warm-up {warm:.1f} s"
-                  + (f", acceptance {row['acceptance_rate']:.2f}" if spec else ""), flush=True)
+                  + (f", acceptance {row['acceptance_rate']:.2f}" if spec else
+                     f"; async scheduling off: {row['sync_decode_tok_s']:.1f} tok/s, tokens "
+                     f"equal: {row['sync_equal']}"), flush=True)
         del engine
     out["spec_equals_plain"] = all(tokens["draft_model", b] == tokens["plain", b] for b in batches[:2])
     print(f"e2e: speculative tokens equal plain: {out['spec_equals_plain']}", flush=True)

@@ -117,6 +117,25 @@ def _drawn_after(batch: StepBatch, drawn: sampling.Drawn, n: int):
         drawn.tokens, mode="drop")
 
 
+def _target(weights, state: DeviceState, batch: StepBatch, tokens, positions, slots, draws,
+            run, features: tuple):
+    """The target's pass over a round's rows (their K/V written into ``state.cache``), its
+    logits at the batch's logit rows and their draws over ``state.history``: (state, logits,
+    drawn, the hidden ``features`` the proposer reads)."""
+    cfg, mesh = run.model, run.mesh
+    hidden, cache, *feats = model.forward(weights, state.cache, tokens, positions, slots,
+                                          state.block_tables, cfg, run.row_tile,
+                                          small_tiles=run.small_tiles, matmul=run.matmul,
+                                          attention=run.attention, mesh=mesh, features=features)
+    logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, run.row_tile,
+                                     batch.num_logit_rows, small_tiles=run.small_tiles,
+                                     matmul=run.matmul, mesh=mesh), mesh)
+    drawn = sampling.draw(logits, draws, state.history, batch.num_logit_rows, run.row_tile,
+                          batch.with_logprobs, run.sampler)
+    return (dataclasses.replace(state, cache=keep_cache_sharding(cache, cfg, mesh)), logits,
+            drawn, feats)
+
+
 @functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("state",))
 def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
                spec: SpecBatch | None, *, run):
@@ -124,8 +143,8 @@ def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
     tokens recorded in the history), logits at its logit rows, each drawn with its slot's
     settings (``sampling.rows``); with a ``RoundConfig`` (and a ``SpecBatch``), the speculating
     slots' drafts proposed into their verify rows first (the proposer's state is
-    ``state.draft_cache``), and accepted after. DONATES ``state``. ``run``: the ``run.RunConfig`` (its ``round``, None without
-    speculation). ``draft_weights``: the draft model's, or for ``ngram`` its n-gram draft table
+    ``state.draft_cache``), and accepted after. DONATES ``state``. ``run``: the
+    ``run.RunConfig`` (its ``round``, None without speculation). ``draft_weights``: the draft model's, or for ``ngram`` its n-gram draft table
     (``sfjax.spec.table``) or None. On the run's ``mesh`` the models run under ``shard_map`` (the
     draft on ``draft_mesh``: the same devices, maybe a smaller tensor-parallel size) and
     everything else on whole arrays.
@@ -135,7 +154,7 @@ def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
     (state, drawn [R], ``Verified``, or None for plain decoding). The round leaves the progress
     to its caller.
     """
-    cfg, rc, row_tile, mesh = run.model, run.round, run.row_tile, run.mesh
+    rc, mesh = run.round, run.mesh
     draft_cache = state.draft_cache
     history = replicated(record_tokens(state.history, batch.slots, batch.positions, batch.tokens), mesh)
     draws = sampling.rows(state.table, batch.draws)
@@ -151,16 +170,8 @@ def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
         tokens, positions, slots = _verify_rows(tokens, positions, slots, spec, drafts, k)
         history = replicated(record_tokens(history, slots, positions, tokens), mesh)
     features = getattr(rc.proposer, "features", ()) if rc is not None else ()
-    hidden, cache, *feats = model.forward(weights, state.cache, tokens, positions, slots,
-                                          state.block_tables, cfg, row_tile,
-                                          small_tiles=run.small_tiles, matmul=run.matmul,
-                                          attention=run.attention, mesh=mesh, features=features)
-    logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, row_tile,
-                                     batch.num_logit_rows, small_tiles=run.small_tiles,
-                                     matmul=run.matmul, mesh=mesh), mesh)
-    drawn = sampling.draw(logits, draws, history, batch.num_logit_rows, row_tile,
-                          batch.with_logprobs, run.sampler)
-    state = dataclasses.replace(state, cache=keep_cache_sharding(cache, cfg, mesh), history=history)
+    state, logits, drawn, feats = _target(weights, dataclasses.replace(state, history=history),
+                                          batch, tokens, positions, slots, draws, run, features)
     follow = lambda accepted, after: rc.proposer.follow(ctx, draft_weights, draft_cache, tokens,
                                                         positions, slots, feats[0], accepted, after)
     after = _drawn_after(batch, drawn, tokens.shape[0]) if features else None

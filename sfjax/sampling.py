@@ -34,10 +34,10 @@ ROLE_ACCEPT = 2    # the uniform of a rejection-sampling acceptance test
 ROLE_RESIDUAL = 3  # the draw from the residual distribution after a rejection
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class SamplingBatch:
-    """Per logit row; every field is [R] unless noted."""
+class _Filters:
+    """The filters and penalties of a draw, the first fields of a request's settings
+    (``Sampling``) and of a logit row's (``SamplingBatch``), with ``SamplingParams``' meanings."""
     temperature: jax.Array    # float32; 0 = greedy
     top_k: jax.Array          # int32; 0 = off
     top_p: jax.Array          # float32; 1 = off
@@ -45,6 +45,12 @@ class SamplingBatch:
     presence: jax.Array       # float32 presence penalty
     frequency: jax.Array      # float32 frequency penalty
     repetition: jax.Array     # float32 repetition penalty; 1 = off
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingBatch(_Filters):
+    """Per logit row; every field is [R] unless noted (the filters first: ``_Filters``)."""
     key_data: jax.Array       # uint32 [R, 2] raw threefry request keys
     position: jax.Array       # int32 output position t of the draw
     slot: jax.Array           # int32 the row's slot (its token history)
@@ -59,16 +65,10 @@ class SamplingBatch:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Sampling:
+class Sampling(_Filters):
     """Per-request sampling settings, one row per slot (or per row of ``sfjax.functional``'s
-    batch); [B] unless noted, with ``SamplingParams``' (vLLM's) meanings."""
-    temperature: jax.Array   # float32; 0 = greedy
-    top_k: jax.Array         # int32; 0 = off
-    top_p: jax.Array         # float32; 1 = off
-    min_p: jax.Array         # float32; 0 = off
-    presence: jax.Array      # float32 presence penalty
-    frequency: jax.Array     # float32 frequency penalty
-    repetition: jax.Array    # float32 repetition penalty; 1 = off
+    batch); [B] unless noted, with ``SamplingParams``' (vLLM's) meanings (the filters first:
+    ``_Filters``)."""
     key_data: jax.Array      # uint32 [B, 2] request keys (request_key_data(seed), or
                              # jax.random.key_data of a key made in the program)
     max_tokens: jax.Array    # int32 output tokens at most

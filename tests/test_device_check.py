@@ -28,4 +28,5 @@ def test_the_device_check_smoke_runs_and_its_checks_hold(tmp_path):
     assert r["correct"] and all(c["ok"] and c["row_invariant"] for c in r["correct"].values())
     assert r["bits"]["same"] and all(r["bits"]["same"].values())
     assert r["e2e"]["spec_equals_plain"] is True
+    assert r["e2e"]["plain"]["1"]["sync_equal"] is True     # with async scheduling off
     assert r["e2e"]["draft_model"]["1"]["acceptance_rate"] == 1.0   # the all-accepting draft

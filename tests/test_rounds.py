@@ -62,10 +62,13 @@ def _summary(outs):
 
 @pytest.mark.parametrize("kind", ["plain", "ngram", "draft"])
 def test_rounds_give_the_single_step_tokens(tiny_folder, folders, kind):
+    """With each call read back before the next is sent (async scheduling sends one early while
+    requests wait for slots, and so admits them a call later: the same tokens, other rounds)."""
     spec = _spec(kind, folders)
     runs = {}
     for steps in (1, 8):
-        llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec)
+        llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec,
+                  async_scheduling=False)
         outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
         m = llm.get_metrics()
         runs[steps] = (_summary(outs), m["steps"], m.get("spec_decode"),
@@ -292,7 +295,7 @@ def _spy_follows(eng):
     """Counts the calls ``Engine._follow`` sends before the one before them is read back, and
     those of their requests that had ended on the host by the time the call was read (a stop
     string, an abort, a failure: their tokens dropped)."""
-    seen = {"sent": 0, "dropped": 0, "with_stops": 0}
+    seen = {"sent": 0, "dropped": 0, "with_stops": 0, "waiting": 0, "no_round": 0}
     follow, collect = eng._follow, eng._collect
 
     def spy_follow(call):
@@ -303,6 +306,9 @@ def _spy_follows(eng):
 
     def spy_collect(call):
         seen["dropped"] += sum(req.status is not Status.RUNNING for req in call.decode)
+        if call.waits:          # sent while requests waited for slots: no round if one ended
+            seen["waiting"] += 1
+            seen["no_round"] += int(np.asarray(call.result[0])[0, 1]) == 0
         return collect(call)
 
     eng._follow, eng._collect = spy_follow, spy_collect
@@ -316,9 +322,11 @@ def test_async_scheduling_gives_the_same_outputs(tiny_folder, folders, kind, ste
     output (tokens, text, finish and stop reasons, logprobs bitwise, speculation counters per
     request and in total) and the device rounds equal an engine that reads each call back before
     sending the next, with stop strings that end requests on the host while the next call runs
-    (its tokens for them are dropped) and every device stop rule. Calls went out early, but
-    under a speculation threshold none with a request that has stop strings: the device would
-    count it as running after the host had ended it (``Engine._follow``)."""
+    (its tokens for them are dropped) and every device stop rule. Calls went out early, also
+    while requests waited for slots (then running no round when a request had ended in the call
+    before, so its slot goes to a waiting one first); under a speculation threshold none with a
+    request that has stop strings: the device would count it as running after the host had
+    ended it (``Engine._follow``)."""
     spec = _spec(kind.replace("-threshold", ""), folders)
     if kind == "ngram-threshold":
         spec = dict(spec, disable_by_batch_size=3)
@@ -338,12 +346,13 @@ def test_async_scheduling_gives_the_same_outputs(tiny_folder, folders, kind, ste
     off, on = runs[False], runs[True]
     assert on[:2] == off[:2] and on[3] == off[3]
     assert on[2] >= off[2]          # more device rounds only for requests ended on the host
-    assert off[4] == {"sent": 0, "dropped": 0, "with_stops": 0}
+    assert off[4] == dict.fromkeys(off[4], 0)
     assert on[4]["sent"] > 0, "no call went out before the last was read back"
     if kind == "ngram-threshold":
         assert on[4]["with_stops"] == 0
     else:
         assert on[4]["with_stops"] > 0 and on[4]["dropped"] > 0, on[4]
+        assert 0 < on[4]["no_round"] < on[4]["waiting"], on[4]    # six requests, four slots
     assert any(o[3] is not None for o in on[0]), "no stop string ended a request"
 
 

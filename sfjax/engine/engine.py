@@ -61,8 +61,8 @@ class EngineConfig:
     matmul: str | None = "auto"            # RunConfig.matmul: "auto", None (row tiles) or a kernel
     enable_prefix_caching: bool = True     # share full KV blocks across requests by content hash
     num_scheduler_steps: int = 8           # decode rounds per host call when every request decodes
-    # while every running request decodes and none waits, send the next call before reading
-    # this one back, so the host's work on its tokens overlaps the device's (Engine._follow)
+    # while every running request decodes and no waiting request has a free slot, send the next
+    # call before reading this one back: the host's work overlaps the device's (Engine._follow)
     async_scheduling: bool = True
     # CPU, one device: a step whose valid rows fit a tile of 2 or 4 runs in that tile, where it is
     # certified to keep row_tile's bits (rows.certify_row_tiles)
@@ -105,6 +105,7 @@ class Call:
     reach: np.ndarray         # int [D]: the most tokens each of ``decode`` can hold after it
     args: tuple               # (batch, draft rows, host rows per shard, with_logprobs)
     result: tuple             # (out, logprobs, drawn) on the device
+    waits: bool = False       # sent ahead while requests wait for slots (``Engine._follow``)
 
 
 def host(tree):
@@ -419,9 +420,12 @@ class Engine:
                 return []
         self._inflight = follow = self._follow(call) if self.config.async_scheduling else None
         outputs = self._collect(call)
-        if follow is not None and all(r.status is not Status.RUNNING for r in follow.decode):
-            self._inflight = None        # each of its requests ended in ``call``: read it now
-            self._collect(follow)
+        ended = [r.status is not Status.RUNNING for r in follow.decode] if follow else []
+        if ended and (all(ended) or follow.waits and any(ended)):
+            # each of its requests ended in ``call``, or one did while others wait for its slot
+            # (it runs no round then, ``rounds.call``): read it now, the next step admits
+            self._inflight = None
+            outputs += self._collect(follow)
         return outputs
 
     def _launch(self) -> Call | None:
@@ -475,17 +479,21 @@ class Engine:
 
     def _follow(self, call: Call) -> Call | None:
         """The next call, dispatched before ``call`` is read back, when it can be planned without
-        ``call``'s results: ``call`` only decoded, and still does every running request, nothing
-        waits, some request may outlive ``call`` (each round emits a token for each live row),
-        and the pages for ``call``'s rounds again past the most ``call`` can emit can be had. It
-        runs ``call``'s rounds in ``call``'s bucket over the slot state ``call`` leaves on the
-        device (sending only new pages): the same rounds a later call would run, so the same
-        tokens; a row that ended in ``call`` is not live there (``rounds.call``), and the tokens
-        of a request that ended on the host (a stop string, an abort, a failure) are dropped
-        when it is read. Not with a stop string while the speculation threshold
-        (``disable_by_batch_size``) counts rows: the device would count that request as live."""
+        ``call``'s results: ``call`` only decoded, and still does every running request, no
+        waiting request has a free slot (while one waits for a slot, the next call runs no
+        round if a row ended in ``call``: ``rounds.call``'s ``expect_live``; else, like
+        ``call``, it returns once a row ends), some request may outlive ``call``
+        (each round emits a token for each live row), and the pages for ``call``'s rounds again
+        past the most ``call`` can emit can be had. It runs ``call``'s rounds in ``call``'s
+        bucket over the slot state ``call`` leaves on the device (sending only new pages): the
+        same rounds a later call would run, so the same tokens; a row that ended in ``call`` is
+        not live there (``rounds.call``), and the tokens of a request that ended on the host (a
+        stop string, an abort, a failure) are dropped when it is read. Not with a stop string
+        while the speculation threshold (``disable_by_batch_size``) counts rows: the device
+        would count that request as live."""
         sched, decode = self.scheduler, call.decode
-        if (call.prefill or not decode or sched.waiting or len(sched.running) != len(decode)
+        if (call.prefill or not decode or len(sched.running) != len(decode)
+                or (sched.waiting and sched.has_free_slot())
                 or any(req.status is not Status.RUNNING for req in decode)
                 or not self.slots.progress[call.slots, LIVE].all()
                 or (self.spec is not None and self.spec.config.disable_by_batch_size is not None
@@ -499,8 +507,10 @@ class Engine:
             return None
         for req, upto in zip(decode, reach):
             sched.grow(req, int(upto))
-        result = self._call(*call.args, None, call.num_rounds, False, 0, False)
-        return dataclasses.replace(call, reach=reach, result=result)
+        waits = bool(sched.waiting)      # then no round if a request ended in ``call``
+        result = self._call(*call.args, None, call.num_rounds, waits, 0, False,
+                            len(decode) if waits else 0)
+        return dataclasses.replace(call, reach=reach, result=result, waits=waits)
 
     def _collect(self, call: Call) -> list[RequestOutput]:
         """Reads ``call`` back: its host rows' draws, its decoding requests' tokens (those still
@@ -685,7 +695,7 @@ class Engine:
                            self.config.row_tile, na or 0)[:3], meta
 
     def _call(self, batch, draft, rows, with_logprobs, progress, num_rounds, until_one_ends,
-              running=0, read_drawn=False):
+              running=0, read_drawn=False, expect_live=0):
         """Dispatches the engine's one program (``rounds.call``) on the host's rows and the slots
         ``progress`` marks live (every slot's row, as ``SlotSync.progress``, sent where it
         differs from the device's; None: the device's as it is): (out, logprobs, drawn), not
@@ -695,7 +705,7 @@ class Engine:
         self.state, out, logprobs, drawn = program(
             self.weights, self.spec.draft_weights if self.spec else None, self.state, batch, draft,
             np.asarray(rows, np.int32), np.int32(running), np.int32(num_rounds),
-            np.bool_(until_one_ends))
+            np.bool_(until_one_ends), np.int32(expect_live))
         if not with_logprobs:
             self._shapes.add((len(batch.tokens), len(batch.logit_rows),
                               None if draft is None else len(draft[0])))

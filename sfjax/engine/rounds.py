@@ -45,7 +45,8 @@ def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
 @functools.partial(jax.jit, static_argnames=("run", "max_rounds", "with_logprobs"),
                    donate_argnames=("state",))
 def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tuple | None,
-         host_rows, running, num_rounds, until_one_ends, *, run: RunConfig, max_rounds: int,
+         host_rows, running, num_rounds, until_one_ends, expect_live, *, run: RunConfig,
+         max_rounds: int,
          with_logprobs: bool = False):
     """The engine's one program: up to ``num_rounds`` rounds the device lays out for the slots
     its progress marks live (``state.progress``, a ``step.Progress``), the first with the host's
@@ -57,7 +58,10 @@ def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tu
     and slots laid out alike in the draft's row count), its logit rows first, then padding; the shapes hold
     every live slot's rows after them. ``running``: requests the speculation threshold counts
     beyond the live slots. ``until_one_ends``: return once any request ends (others wait for
-    its slot). A live slot's progress gives its prompt length, its length and newest token
+    its slot). ``expect_live``: the live slots the host expects (a call it sent before reading
+    the last back, ``Engine._follow``); with ``until_one_ends``, fewer at the start mean a
+    request ended in the last call, and this one runs no round (its slot goes to a waiting
+    request first). 0: no such check. A live slot's progress gives its prompt length, its length and newest token
     (drawn, not yet fed: the engine's history records tokens as they are fed), and its
     request's drafts and accepted drafts so far (adaptive_k reads them); the call advances
     them. A row that ends is left not live (a call sent before the host reads the end back
@@ -76,8 +80,10 @@ def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tu
     slots = jnp.where(p.live, jnp.arange(length.shape[0]), length.shape[0])
     history = state.history.at[slots, length - 1].set(p.last, mode="drop")
     st = dataclasses.replace(state, history=history)
+    ended = until_one_ends & (jnp.sum(p.live.astype(jnp.int32)) < expect_live)
     st, n, drafted, accepted, ids, vals, drawn, _ = F.run_rounds(
-        weights, draft_weights, st, run, num_rounds, max_rounds, until_one_ends, with_logprobs,
+        weights, draft_weights, st, run, jnp.where(ended, 0, num_rounds), max_rounds,
+        until_one_ends, with_logprobs,
         F.Host(batch, draft, host_rows, running))
     width = max_rounds * (run.k_max + 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
