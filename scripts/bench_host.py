@@ -108,7 +108,8 @@ def main():
         for method in ("plain", "ngram"):
             for steps in map(int, args.steps.split(",")):
                 spec = default_speculative_config("ngram") if method == "ngram" else None
-                llm = LLM(default_model_path(), max_num_seqs=args.slots or max(b, 4), max_model_len=256,
+                llm = LLM(default_model_path(), max_num_seqs=args.slots or max(b, 4),
+                          max_model_len=256,
                           num_scheduler_steps=steps, speculative_config=spec)
                 best = run(llm, prompts, params, args.repeats)
                 r, on = best[False, "timed"], best[True, "timed"]

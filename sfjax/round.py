@@ -144,10 +144,10 @@ def round_step(weights, draft_weights, state: DeviceState, batch: StepBatch,
     settings (``sampling.rows``); with a ``RoundConfig`` (and a ``SpecBatch``), the speculating
     slots' drafts proposed into their verify rows first (the proposer's state is
     ``state.draft_cache``), and accepted after. DONATES ``state``. ``run``: the
-    ``run.RunConfig`` (its ``round``, None without speculation). ``draft_weights``: the draft model's, or for ``ngram`` its n-gram draft table
-    (``sfjax.spec.table``) or None. On the run's ``mesh`` the models run under ``shard_map`` (the
-    draft on ``draft_mesh``: the same devices, maybe a smaller tensor-parallel size) and
-    everything else on whole arrays.
+    ``run.RunConfig`` (its ``round``, None without speculation). ``draft_weights``: the draft
+    model's, or for ``ngram`` its n-gram draft table (``sfjax.spec.table``) or None. On the
+    run's ``mesh`` the models run under ``shard_map`` (the draft on ``draft_mesh``: the same
+    devices, maybe a smaller tensor-parallel size) and everything else on whole arrays.
 
     Logit rows: the prefill completions and prompt logprobs, then each speculating slot's
     k + 1 verify rows from its ``spec.verify_logit`` (packed, by each slot's own k). Returns

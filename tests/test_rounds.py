@@ -330,8 +330,9 @@ def test_async_scheduling_gives_the_same_outputs(tiny_folder, folders, kind, ste
     spec = _spec(kind.replace("-threshold", ""), folders)
     if kind == "ngram-threshold":
         spec = dict(spec, disable_by_batch_size=3)
+    stops = ([" a"], None, ["e "], None, None, ["b"])
     params = [dataclasses.replace(p, stop=stop, logprobs=n) for p, stop, n in
-              zip(_params()[:6], ([" a"], None, ["e "], None, None, ["b"]), (None, 2, None, 0, 5, None))]
+              zip(_params()[:6], stops, (None, 2, None, 0, 5, None))]
     runs = {}
     for overlap in (False, True):
         llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec,

@@ -55,26 +55,28 @@ def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tu
 
     ``batch``: the host's rows, ``host_rows`` (int32 [dp]) at the head of each data shard's
     segment (its prefill chunks; for a draft model ``draft``, the same rows' tokens, positions
-    and slots laid out alike in the draft's row count), its logit rows first, then padding; the shapes hold
-    every live slot's rows after them. ``running``: requests the speculation threshold counts
-    beyond the live slots. ``until_one_ends``: return once any request ends (others wait for
-    its slot). ``expect_live``: the live slots the host expects (a call it sent before reading
-    the last back, ``Engine._follow``); with ``until_one_ends``, fewer at the start mean a
-    request ended in the last call, and this one runs no round (its slot goes to a waiting
-    request first). 0: no such check. A live slot's progress gives its prompt length, its length and newest token
-    (drawn, not yet fed: the engine's history records tokens as they are fed), and its
-    request's drafts and accepted drafts so far (adaptive_k reads them); the call advances
-    them. A row that ends is left not live (a call sent before the host reads the end back
-    lays out nothing for it: ``Engine`` under ``async_scheduling``). ``with_logprobs`` (static: a program of its own, so the rounds without it compute and
-    carry nothing more): record each new token's raw logprobs.
+    and slots laid out alike in the draft's row count), its logit rows first, then padding; the
+    shapes hold every live slot's rows after them. ``running``: requests the speculation
+    threshold counts beyond the live slots. ``until_one_ends``: return once any request ends
+    (others wait for its slot). ``expect_live``: the live slots the host expects (a call it sent
+    before reading the last back, ``Engine._follow``); with ``until_one_ends``, fewer at the
+    start mean a request ended in the last call, and this one runs no round (its slot goes to a
+    waiting request first). 0: no such check. A live slot's progress gives its prompt length,
+    its length and newest token (drawn, not yet fed: the engine's history records tokens as they
+    are fed), and its request's drafts and accepted drafts so far (adaptive_k reads them); the
+    call advances them. A row that ends is left not live (a call sent before the host reads the
+    end back lays out nothing for it: ``Engine`` under ``async_scheduling``). ``with_logprobs``
+    (static: a program of its own, so the rounds without it compute and carry nothing more):
+    record each new token's raw logprobs.
 
     Returns (state, out, logprobs, drawn). ``out``, int32 [slots, 3 + W + 2 * max_rounds]: per
     slot its new length, the rounds run, whether it is still live, its W = max_rounds * (k + 1)
-    tokens from its old length on, and the drafts proposed and the accepted drafts emitted in each round (``unpack``): one
-    array, so the host reads everything back in one transfer. ``logprobs``, int32 [slots, 2, W,
-    21] with ``with_logprobs`` (else None): per token its rank and top-20 ids, then (as float32
-    bits) its logprob and the top 20 (``unpack_logprobs``). ``drawn``: the last round's drawn
-    rows, whose first ``batch.num_logit_rows`` are the host's."""
+    tokens from its old length on, and the drafts proposed and the accepted drafts emitted in
+    each round (``unpack``): one array, so the host reads everything back in one transfer.
+    ``logprobs``, int32 [slots, 2, W, 21] with ``with_logprobs`` (else None): per token its rank
+    and top-20 ids, then (as float32 bits) its logprob and the top 20 (``unpack_logprobs``).
+    ``drawn``: the last round's drawn rows, whose first ``batch.num_logit_rows`` are the
+    host's."""
     p = state.progress
     length = p.length
     slots = jnp.where(p.live, jnp.arange(length.shape[0]), length.shape[0])
