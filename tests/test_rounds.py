@@ -330,15 +330,19 @@ def test_async_scheduling_gives_the_same_outputs(tiny_folder, folders, kind, ste
     spec = _spec(kind.replace("-threshold", ""), folders)
     if kind == "ngram-threshold":
         spec = dict(spec, disable_by_batch_size=3)
-    stops = ([" a"], None, ["e "], None, None, ["b"])
-    params = [dataclasses.replace(p, stop=stop, logprobs=n) for p, stop, n in
-              zip(_params()[:6], stops, (None, 2, None, 0, 5, None))]
+    order = (1, 3, 6, 7, 0, 2)         # the last two, with stop strings, wait for a slot
+    free = LLM(tiny_folder, **GEOMETRY, speculative_config=spec).generate(
+        [PROMPTS[0], PROMPTS[2]], [_params()[0], _params()[2]], use_tqdm=False)
+    stops = {i: [o.outputs[0].text[len(o.outputs[0].text) // 2:][:2]] for i, o in zip((0, 2), free)}
+    params = [dataclasses.replace(_params()[i], stop=stops.get(i), logprobs=n)
+              for i, n in zip(order, (2, 0, 5, None, None, 3))]
+    prompts = [PROMPTS[i] for i in order]
     runs = {}
     for overlap in (False, True):
         llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec,
                   async_scheduling=overlap)
         seen = _spy_follows(llm.engine)
-        outs = llm.generate(PROMPTS[:6], params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         m = llm.get_metrics()
         runs[overlap] = (_summary(outs), [(o.outputs[0].logprobs, o.outputs[0].cumulative_logprob,
                                            o.metrics.spec_decode) for o in outs],
@@ -400,3 +404,55 @@ def test_aborts_failures_and_arrivals_while_a_call_is_in_flight(tiny_folder, fol
     assert 0 < len(got) < len(alone[0]) and got == alone[0][:len(got)]
     assert last["r1"].outputs[0].finish_reason == "error" and "boom" in last["r1"].error
     assert [last[f"r{i}"].outputs[0].token_ids for i in (2, 3)] == [alone[2], alone[3]]
+
+
+def test_async_scheduling_keeps_the_counters_under_a_speculation_threshold(tiny_folder, folders):
+    """Three requests at a threshold of three (no drafts while all run): once one ends, the
+    others draft, in the call sent ahead too; each request's counters equal those of an engine
+    that reads every call back first (the host counts the rounds that drafted)."""
+    spec = dict(_spec("ngram", folders), disable_by_batch_size=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 40, 44)]
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(tiny_folder, **GEOMETRY, speculative_config=spec, async_scheduling=overlap)
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs],
+                     [o.metrics.spec_decode for o in outs], llm.get_metrics()["spec_decode"]))
+        check_idle(llm.engine)
+    assert runs[1] == runs[0]
+    assert runs[0][2]["num_draft_tokens"] > 0
+
+
+def test_a_call_not_read_back_leaves_the_engine_able_to_step(tiny_folder):
+    """Reading a call back fails once (with a call sent ahead in flight): the step raises, and
+    the engine steps on from what the host had read, with the same tokens as a run without
+    the failure."""
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True)
+              for i in range(3)]
+    llm = LLM(tiny_folder, **GEOMETRY)
+    ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    eng = llm.engine
+    collect, calls = eng._collect, []
+
+    def flaky(call):
+        calls.append(eng._inflight is not None)
+        if len(calls) == 4:
+            raise RuntimeError("boom while reading back")
+        return collect(call)
+
+    eng._collect = flaky
+    for i in range(3):
+        eng.add_request(f"r{i}", PROMPTS[i], params[i])
+    got, raised = {}, 0
+    while eng.has_unfinished_requests():
+        try:
+            outs = eng.step()
+        except RuntimeError:
+            raised += 1
+            continue
+        for o in outs:
+            got[o.request_id] = o.outputs[0].token_ids
+        check_engine(eng)
+    assert raised == 1 and any(calls[:4]), "no call was in flight when reading failed"
+    assert [got[f"r{i}"] for i in range(3)] == ref
+    check_idle(eng)

@@ -102,7 +102,6 @@ class Call:
     meta: list                # their logit rows (BatchBuilder.build's)
     drafts: dict[str, int]    # each decoding request's drafts in the first round, by id
     num_rounds: int
-    reach: np.ndarray         # int [D]: the most tokens each of ``decode`` can hold after it
     args: tuple               # (batch, draft rows, host rows per shard, with_logprobs)
     result: tuple             # (out, logprobs, drawn) on the device
     waits: bool = False       # sent ahead while requests wait for slots (``Engine._follow``)
@@ -386,12 +385,16 @@ class Engine:
         run in the next step; so does a failure while reading one request's tokens back."""
         held = list(self._held.values())
         self._held.clear()
-        self._plan, self._dispatched = [], False
+        self._plan, self._dispatched = [], self._inflight is not None
         try:
             new = self._step()
-        except Exception:
-            if self._dispatched or not self._fail_culprits():
-                raise        # the device call failed, or no single request's rows raise alone
+        except BaseException as e:
+            if self._dispatched:         # a call sent, or in flight, was not read back in full
+                self._inflight = None
+                self.slots.forget()
+                raise
+            if not isinstance(e, Exception) or not self._fail_culprits():
+                raise        # no single request's rows raise alone
             new = []
         outs = merge_outputs(held + new + list(self._held.values()))
         self._held.clear()
@@ -466,16 +469,7 @@ class Engine:
         result = self._call(*args, progress, num_rounds, bool(self.scheduler.waiting),
                             len(self.scheduler.running) - len(decode), bool(meta))
         return Call(decode, np.array([req.slot for req in decode], np.int32), prefill, meta,
-                    drafts, num_rounds, self._reach(decode, num_rounds), args, result)
-
-    def _reach(self, decode: list[Request], num_rounds: int, start=None) -> np.ndarray:
-        """The most tokens each of ``decode`` can hold after ``num_rounds`` rounds from ``start``
-        (int [D]; default its tokens now): k + 1 a round, up to prompt + max_tokens."""
-        k1 = self.spec.k_max + 1 if self.spec else 1
-        if start is None:
-            start = np.array([req.num_tokens for req in decode], np.int64)
-        end = np.array([len(req.prompt_token_ids) + req.max_tokens for req in decode], np.int64)
-        return np.minimum(start + num_rounds * k1, end)
+                    drafts, num_rounds, args, result)
 
     def _follow(self, call: Call) -> Call | None:
         """The next call, dispatched before ``call`` is read back, when it can be planned without
@@ -489,28 +483,34 @@ class Engine:
         same rounds a later call would run, so the same tokens; a row that ended in ``call`` is
         not live there (``rounds.call``), and the tokens of a request that ended on the host (a
         stop string, an abort, a failure) are dropped when it is read. Not with a stop string
-        while the speculation threshold (``disable_by_batch_size``) counts rows: the device
-        would count that request as live."""
+        while the speculation threshold (``disable_by_batch_size``) counts rows (the device
+        would count a request the host has ended as live: another row's k could differ; a
+        failure while reading is not foreseen so), nor while requests wait (the next call would
+        run on until a row ends on the device while the slot stood free)."""
         sched, decode = self.scheduler, call.decode
         if (call.prefill or not decode or len(sched.running) != len(decode)
                 or (sched.waiting and sched.has_free_slot())
                 or any(req.status is not Status.RUNNING for req in decode)
                 or not self.slots.progress[call.slots, LIVE].all()
-                or (self.spec is not None and self.spec.config.disable_by_batch_size is not None
+                or ((sched.waiting or self.spec is not None
+                     and self.spec.config.disable_by_batch_size is not None)
                     and any(req.params.stop for req in decode))):
             return None
         if all(req.num_tokens + call.num_rounds >= len(req.prompt_token_ids) + req.max_tokens
                for req in decode):
             return None              # every request ends in ``call``
-        reach = self._reach(decode, call.num_rounds, call.reach)
-        if not sched.can_grow(list(zip(decode, reach))):
+        # each request's tokens now are those ``call`` starts from (the call before it was read)
+        k1 = self.spec.k_max + 1 if self.spec else 1
+        reach = [(req, min(req.num_tokens + 2 * call.num_rounds * k1,
+                           len(req.prompt_token_ids) + req.max_tokens)) for req in decode]
+        if not sched.can_grow(reach):
             return None
-        for req, upto in zip(decode, reach):
-            sched.grow(req, int(upto))
+        for req, upto in reach:
+            sched.grow(req, upto)
         waits = bool(sched.waiting)      # then no round if a request ended in ``call``
         result = self._call(*call.args, None, call.num_rounds, waits, 0, False,
                             len(decode) if waits else 0)
-        return dataclasses.replace(call, reach=reach, result=result, waits=waits)
+        return dataclasses.replace(call, result=result, waits=waits)
 
     def _collect(self, call: Call) -> list[RequestOutput]:
         """Reads ``call`` back: its host rows' draws, its decoding requests' tokens (those still
@@ -531,7 +531,8 @@ class Engine:
                 continue
             read = lambda: self._read_rounds(req, tokens[slot], int(new_len[slot]),
                                              drafted[:n, slot], accepted[:n, slot],
-                                             call.drafts.get(req.request_id, 0) > 0,
+                                             call.drafts.get(req.request_id, 0) > 0
+                                             or bool(drafted[:n, slot].any()),
                                              req.params.logprobs is not None and
                                              rounds.unpack_logprobs(logprobs, slot))
             outputs.append(self._guarded(req, read))

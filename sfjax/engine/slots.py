@@ -126,6 +126,12 @@ class SlotSync:
             self._held[s] = now[s]
         return state
 
+    def forget(self) -> None:
+        """Forgets what the device holds (after a call that was not read back): the next
+        ``sync`` sends every slot's row, from the requests as the host has them."""
+        self._held = [None] * len(self._held)
+        self.progress[:] = -1
+
     def advanced(self, slots: np.ndarray, lengths: np.ndarray, live: np.ndarray,
                  tokens: np.ndarray, drafted, accepted) -> None:
         """Records what a call of device rounds left in the progress of ``slots`` (int [D]): their
