@@ -44,7 +44,6 @@ from sfjax.weights import Weights
 logger = logging.getLogger("sfjax")
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-FIT_SLACK = 2           # a call reuses a compiled bucket of at most twice its rows (``_fit``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -629,18 +628,14 @@ class Engine:
 
     def _fit(self, shape: tuple) -> tuple:
         """The smallest (rows, logit rows, draft rows) bucket this engine has run that holds
-        ``shape`` with at most ``FIT_SLACK`` times its rows, else ``shape``: a call runs in a
-        compiled bucket when one holds its rows (whole tiles past the real rows are skipped, but
-        the round still writes, gathers and zeroes every row: decode rounds of 8 slots with
-        k = 7 ran 2.3x slower in a 512-row prefill bucket than in their own 64). A count of one
-        tile stays one tile where small tiles are certified: a call of one tile runs in a
-        smaller one (``rows.Rows``)."""
+        ``shape``, else ``shape``: a call runs in a compiled bucket when one holds its rows
+        (whole tiles past the real rows are skipped). A count of one tile stays one tile where
+        small tiles are certified: a call of one tile runs in a smaller one (``rows.Rows``)."""
         n, r, na = shape
         one = self.dp * self.config.row_tile
         small = bool(self.run.small_tiles)
         draft_small = bool(self.run.draft_small_tiles)
-        holds = lambda have, need, tiny: (have == need if tiny and need <= one
-                                          else need <= have <= FIT_SLACK * need)
+        holds = lambda have, need, tiny: have == need if tiny and need <= one else have >= need
         fits = [sh for sh in self._shapes if holds(sh[0], n, small) and holds(sh[1], r, small)
                 and (na is None or holds(sh[2], na, draft_small))]
         return min(fits) if fits else shape
