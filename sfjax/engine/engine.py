@@ -472,21 +472,20 @@ class Engine:
                     drafts, num_rounds, args, result)
 
     def _follow(self, call: Call) -> Call | None:
-        """The next call, dispatched before ``call`` is read back, when it can be planned without
-        ``call``'s results: ``call`` only decoded, and still does every running request, no
-        waiting request has a free slot (while one waits for a slot, the next call runs no
-        round if a row ended in ``call``: ``rounds.call``'s ``expect_live``; else, like
-        ``call``, it returns once a row ends), some request may outlive ``call``
-        (each round emits a token for each live row), and the pages for ``call``'s rounds again
-        past the most ``call`` can emit can be had. It runs ``call``'s rounds in ``call``'s
-        bucket over the slot state ``call`` leaves on the device (sending only new pages): the
-        same rounds a later call would run, so the same tokens; a row that ended in ``call`` is
-        not live there (``rounds.call``), and the tokens of a request that ended on the host (a
-        stop string, an abort, a failure) are dropped when it is read. Not with a stop string
-        while the speculation threshold (``disable_by_batch_size``) counts rows (the device
-        would count a request the host has ended as live: another row's k could differ; a
-        failure while reading is not foreseen so), nor while requests wait (the next call would
-        run on until a row ends on the device while the slot stood free)."""
+        """The next call, dispatched before ``call`` is read back, or None. It runs ``call``'s
+        rounds in ``call``'s bucket over the slot state ``call`` leaves on the device (only new
+        pages sent): the rounds a later call would run, so the same tokens. A row that ended in
+        ``call`` is not live there (``rounds.call``); the tokens of a request that ended on the
+        host meanwhile (a stop string, an abort, a failure) are dropped when it is read.
+
+        Sent only when ``call`` only decoded, every running request, none has ended, and:
+        - no waiting request has a free slot (while one waits for a slot, the call runs no round
+          if a row ended in ``call``: ``rounds.call``'s ``expect_live``);
+        - some request may outlive ``call`` (each round emits a token per live row);
+        - the pages for ``call``'s rounds again can be had;
+        - no request has a stop string while requests wait (the call would run on past a stop
+          the host sees, with a slot standing free) or while the speculation threshold
+          (``disable_by_batch_size``) counts rows (the device would count an ended request)."""
         sched, decode = self.scheduler, call.decode
         if (call.prefill or not decode or len(sched.running) != len(decode)
                 or (sched.waiting and sched.has_free_slot())

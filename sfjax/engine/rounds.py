@@ -46,8 +46,7 @@ def taken(drafted, accepted, num_tokens: int) -> list[tuple[int, int]]:
                    donate_argnames=("state",))
 def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tuple | None,
          host_rows, running, num_rounds, until_one_ends, expect_live, *, run: RunConfig,
-         max_rounds: int,
-         with_logprobs: bool = False):
+         max_rounds: int, with_logprobs: bool = False):
     """The engine's one program: up to ``num_rounds`` rounds the device lays out for the slots
     its progress marks live (``state.progress``, a ``step.Progress``), the first with the host's
     rows ahead of theirs (``functional.Host``), in the host batch's shapes
