@@ -64,8 +64,8 @@ def main() -> None:
     print(f"jax {jax.__version__}, {jax.device_count()} fake {jax.default_backend()} devices, "
           f"{os.cpu_count()} cores; batch {args.batch} x {args.prompt_len} prompt ids, "
           f"{args.max_tokens} tokens each, greedy")
-    print(f"| devices | tp x dp | compile + warm-up (s) | duration (s) | output tok/s | "
-          f"TPOT median (ms) | tokens = 1 device |")
+    print("| devices | tp x dp | compile + warm-up (s) | duration (s) | output tok/s | "
+          "TPOT median (ms) | tokens = 1 device |")
     print("|---|---|---|---|---|---|---|")
     params = SamplingParams(temperature=0, ignore_eos=True)
     first = None

@@ -146,7 +146,6 @@ def test_convert_carries_the_ngram_table(tiny_folder, tmp_path):
 def test_orbax_checkpoint_of_another_config_is_refused(tiny_folder, tmp_path):
     from sfjax import toy
     from sfjax import weights as W
-    from sfjax.config import ModelConfig
 
     ckpt = str(tmp_path / "ckpt")
     assert main(["convert", tiny_folder, ckpt]) == 0
