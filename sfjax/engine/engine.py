@@ -629,10 +629,10 @@ class Engine:
         """The smallest (rows, logit rows, draft rows) bucket this engine has run that holds
         ``shape``, else ``shape``: a call runs in a compiled bucket when one holds its rows,
         which saves a compile but not the padding rows' cost (the matmul tiles past the real
-        rows are skipped; the K/V scatter, the gathers and the zeroed outputs take every row:
-        decode rounds of 8 slots at k = 7 ran 2.3x slower in a 512-row prefill bucket than in
-        their own 64). A count of one tile stays one tile where small tiles are certified: a
-        call of one tile runs in a smaller one (``rows.Rows``)."""
+        rows are skipped; the K/V scatter, the gathers and the zeroed outputs take every row,
+        so a decode call in a prefill's bucket pays for the prefill's rows). A count of one tile
+        stays one tile where small tiles are certified: a call of one tile runs in a smaller one
+        (``rows.Rows``)."""
         n, r, na = shape
         one = self.dp * self.config.row_tile
         small = bool(self.run.small_tiles)
