@@ -18,10 +18,13 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 import pytest
 
-# Engines share compiled programs through a bounded LRU (sfjax.engine.programs, 16 programs by
-# default); a test module builds many engine shapes in turn, so the suite keeps more (the
-# module-end clear below drops their executables anyway). The memory test sets its own.
+# Engines share compiled programs through a bounded LRU (sfjax.engine.programs, 16 programs
+# holding at most 24 compiled shapes by default); a test module builds many engine shapes in
+# turn, so the suite keeps more (the module-end clear below drops their executables anyway),
+# under the kernel's 65,530 memory maps a process (XLA:CPU: about 900 per round executable of
+# the tiny model). The memory test sets its own.
 os.environ.setdefault("SFJAX_PROGRAM_CACHE", "64")
+os.environ.setdefault("SFJAX_EXECUTABLE_CACHE", "40")
 
 
 def _scratch(prefix: str) -> str:

@@ -2,9 +2,11 @@
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import shutil
+import weakref
 
 import jax
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 
 from engine_checks import compiles
 from sfjax import LLM, SamplingParams, sampling, toy
-from sfjax.engine import rounds
+from sfjax.engine import programs, rounds
 from sfjax.engine.slots import SlotSync
 from sfjax.spec import config as spec_config
 from sfjax.step import Progress
@@ -247,6 +249,27 @@ def test_engines_share_the_programs_of_what_the_device_reads(model_folder):
         "method": "ngram", "num_speculative_tokens": "auto", "disable_by_batch_size": 3}).engine
     assert fixed.programs.round is again.programs.round
     assert fixed.programs.round is not auto.programs.round
+
+
+def test_kept_programs_are_bounded_by_the_shapes_they_hold(tiny_folder, monkeypatch):
+    """The shared programs are let go by the executables they hold, not only by their count
+    (each shape bucket an engine meets compiles one; on XLA:CPU each costs hundreds of memory
+    maps): a dropped engine whose round compiled more shapes than the bound is freed once
+    another engine shape is built, though the count of programs would keep it."""
+    monkeypatch.setattr(programs, "PROGRAM_CACHE_SIZE", 64)
+    monkeypatch.setattr(programs, "EXECUTABLE_CACHE_SIZE", 1)
+    llm = LLM(tiny_folder, max_num_seqs=4, max_model_len=48, num_scheduler_steps=1)
+    for prompt in ([5, 6, 7], list(range(10, 40))):          # two prefill buckets, then decode
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=3),
+                     use_tqdm=False)
+    assert programs._executables(llm.engine.programs.round) >= 2
+    held = weakref.ref(llm.engine.programs.round)
+    del llm
+    gc.collect()
+    assert held() is not None                   # the newest kept program stays, whatever it holds
+    LLM(tiny_folder, max_num_seqs=4, max_model_len=40, num_scheduler_steps=1)
+    gc.collect()
+    assert held() is None
 
 
 def test_xla_options_keep_the_tokens_and_get_their_own_programs(llm, tiny_folder):

@@ -456,3 +456,58 @@ def test_a_call_not_read_back_leaves_the_engine_able_to_step(tiny_folder):
     assert raised == 1 and any(calls[:4]), "no call was in flight when reading failed"
     assert [got[f"r{i}"] for i in range(3)] == ref
     check_idle(eng)
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram"])
+def test_decode_calls_do_not_run_in_a_prefill_bucket(tiny_folder, folders, kind):
+    """After a prefill of 4 prompts of 30 tokens (a 128-row bucket), decoding calls run in a
+    bucket of at most ``FIT_SLACK`` times their own rows (4 slots of k + 1 rows: 16), not in
+    the prefill's: every row of a bucket costs the round something, skipped tiles or not. The
+    tokens equal those of calls of one round each (which never share the prefill's bucket)."""
+    from sfjax.engine.engine import FIT_SLACK
+    from sfjax.rows import bucket
+
+    spec = _spec(kind, folders)
+    prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 480 + 2 for j in range(30)]}
+               for i in range(4)]
+    params = [dataclasses.replace(p, max_tokens=20) for p in _params()[:4]]
+    llm = LLM(tiny_folder, **GEOMETRY, speculative_config=spec, num_scheduler_steps=8)
+    shapes, call = [], llm.engine._call
+
+    def spy(batch, draft, rows, *args, **kwargs):
+        shapes.append((sum(rows), len(batch.tokens), len(batch.logit_rows)))
+        return call(batch, draft, rows, *args, **kwargs)
+
+    llm.engine._call = spy
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    k1 = 4 if spec else 1
+    need = bucket(GEOMETRY["max_num_seqs"] * k1, GEOMETRY["row_tile"])
+    assert max(n for host, n, _ in shapes if host) >= 4 * need      # a prefill bucket ran
+    decode = [(n, r) for host, n, r in shapes if not host]
+    assert decode and all(n <= FIT_SLACK * need and r <= FIT_SLACK * need for n, r in decode)
+    one = LLM(tiny_folder, **GEOMETRY, speculative_config=spec, num_scheduler_steps=1)
+    assert got == [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    check_idle(llm.engine)
+
+
+def test_a_speculating_engine_sizes_its_decode_bucket_by_its_load(tiny_folder, folders):
+    """One request on an engine of 32 slots with n-gram k = 3 decodes in one tile (its own
+    k + 1 rows), not in a bucket of every slot's (128 rows and logit rows): the bucket follows
+    the slots that decode. The tokens equal a plain engine's."""
+    prompt = [{"prompt_token_ids": [3, 3, 17, 250, 3, 3, 17, 250, 3, 3]}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(tiny_folder, max_num_seqs=32, max_model_len=64, row_tile=8,
+              speculative_config=_spec("ngram", folders))
+    shapes, call = [], llm.engine._call
+
+    def spy(batch, draft, rows, *args, **kwargs):
+        shapes.append((sum(rows), len(batch.tokens), len(batch.logit_rows)))
+        return call(batch, draft, rows, *args, **kwargs)
+
+    llm.engine._call = spy
+    got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    decode = [(n, r) for host, n, r in shapes if not host]
+    assert decode and set(decode) == {(8, 8)}, shapes
+    ref = LLM(tiny_folder, **GEOMETRY).generate(prompt, params, use_tqdm=False)
+    assert got == ref[0].outputs[0].token_ids
+    check_idle(llm.engine)

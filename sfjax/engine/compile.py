@@ -33,11 +33,12 @@ def shape_buckets(engine) -> list[tuple]:
     else:
         k1 = engine.spec.k_max + 1
         verify = c.max_num_seqs * k1
-        ns = [dp * n for n in span(per_shard * k1,
-                                   c.max_num_batched_tokens + per_shard * engine.spec.k_max)]
-        rs = span(verify, verify + max_draws)
         ds = lambda n: [n, 2 * n] if engine.spec.draft_cfg is not None else [0]
-        out += [("round", n, r, d) for n in ns for r in rs for d in ds(n)]
+        out += [("round", dp * n, r, d) for n in span(1, per_shard * k1)
+                for r in span(1, verify) if r <= dp * n for d in ds(dp * n)]
+        out += [("round", dp * n, r, d)
+                for n in span(per_shard * k1, c.max_num_batched_tokens + per_shard * engine.spec.k_max)
+                for r in span(verify, verify + max_draws) for d in ds(dp * n)]
     out.append(("logprobs", *engine._shape([0] * dp, 0, [], True)))
     if engine.programs.forget is not None:                 # an EAGLE head's features dropped
         out.append(("forget", 0, 0, 0))

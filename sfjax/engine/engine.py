@@ -44,6 +44,7 @@ from sfjax.weights import Weights
 logger = logging.getLogger("sfjax")
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+FIT_SLACK = 2           # a call reuses a compiled bucket of at most 2 times its rows (``_fit``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -627,17 +628,18 @@ class Engine:
 
     def _fit(self, shape: tuple) -> tuple:
         """The smallest (rows, logit rows, draft rows) bucket this engine has run that holds
-        ``shape``, else ``shape``: a call runs in a compiled bucket when one holds its rows,
-        which saves a compile but not the padding rows' cost (the matmul tiles past the real
-        rows are skipped; the K/V scatter, the gathers and the zeroed outputs take every row,
-        so a decode call in a prefill's bucket pays for the prefill's rows). A count of one tile
-        stays one tile where small tiles are certified: a call of one tile runs in a smaller one
-        (``rows.Rows``)."""
+        ``shape`` with at most ``FIT_SLACK`` times its rows, else ``shape``: a call runs in a
+        compiled bucket when one holds its rows, which saves a compile but not the padding rows'
+        cost (the matmul tiles past the real rows are skipped; the K/V scatter, the gathers and
+        the zeroed outputs take every row), so decode calls do not run in a prefill's bucket. A
+        count of one tile stays one tile where small tiles are certified: a call of one tile
+        runs in a smaller one (``rows.Rows``)."""
         n, r, na = shape
         one = self.dp * self.config.row_tile
         small = bool(self.run.small_tiles)
         draft_small = bool(self.run.draft_small_tiles)
-        holds = lambda have, need, tiny: have == need if tiny and need <= one else have >= need
+        holds = lambda have, need, tiny: (have == need if tiny and need <= one
+                                          else need <= have <= FIT_SLACK * need)
         fits = [sh for sh in self._shapes if holds(sh[0], n, small) and holds(sh[1], r, small)
                 and (na is None or holds(sh[2], na, draft_small))]
         return min(fits) if fits else shape
@@ -645,8 +647,14 @@ class Engine:
     def _shape(self, rows: list[int], logit_rows: int, decode: list[Request],
                with_logprobs: bool) -> tuple:
         """The (rows, logit rows, draft rows) a call runs in: the host's ``rows`` per data shard
-        and ``logit_rows``, then ``decode``'s rows (a speculating engine's: every slot's k + 1),
-        bucketed, or a larger bucket the engine has run (``_fit``). With logprobs, the host's
+        and ``logit_rows``, then ``decode``'s rows (a speculating engine's: each one's k_max + 1),
+        bucketed, or a larger bucket the engine has run (``_fit``). A speculating engine's call
+        without host rows is sized by the slots that decode (a call's live slots only end, never
+        join, within it: one request of 32 slots at k = 3 decodes in 8 rows, not 128); one with
+        host rows past one tile takes at least every slot's k_max + 1 rows and logit rows, so
+        that one bucket holds prefill chunks of any length up to it (few calls, each compiled
+        once, rather than one bucket per chunk length and load), and one within a tile runs in
+        the tile's bucket, which decoding compiles anyway. With logprobs, the host's
         rows and then every slot's (that program's bucket without host rows is compiled once,
         ``compile.shape_buckets``; one with prefill rows the first time a call needs it: a fixed
         bucket of a whole token budget would run its padding rows wherever kernels take every
@@ -663,10 +671,11 @@ class Engine:
             shape = (dp * bucket(max(seg, 1), tile),
                      bucket(max(logit_rows + sum(load), 1), tile), None)
         else:
-            seg = bucket(max(seg, -(-c.max_num_seqs * k1 // dp)), tile)
+            floor = c.max_num_seqs * k1 if any(rows) and seg > tile else sum(load) * k1
+            seg = bucket(max(seg, -(-floor // dp), 1), tile)
             na = (dp * bucket(max(max(h + 2 * per for h, per in zip(rows, load)), seg), tile)
                   if self.spec.draft_cfg is not None else None)
-            shape = dp * seg, bucket(logit_rows + c.max_num_seqs * k1, tile), na
+            shape = dp * seg, bucket(max(logit_rows + floor, 1), tile), na
         return shape if with_logprobs else self._fit(shape)
 
     def _host_rows(self, prefill: list[Scheduled], decode: list[Request], with_logprobs: bool):

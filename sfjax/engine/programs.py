@@ -9,9 +9,13 @@ caches, keyed weakly on those closures, release the executables.
 
 Engines that agree on what a program is specialised on share it (the same computation, so the
 same bits) through a small process-wide LRU of ``PROGRAM_CACHE_SIZE`` programs (default 16, about
-four engines' worth; the environment variable ``SFJAX_PROGRAM_CACHE`` sets it, 0 keeps none):
-rebuilding the same engine, as a test suite or an evaluation loop does, compiles once, and the
-memory held is bounded by that many programs plus the live engines'.
+four engines' worth; the environment variable ``SFJAX_PROGRAM_CACHE`` sets it, 0 keeps none)
+holding at most ``EXECUTABLE_CACHE_SIZE`` compiled shapes among them (default 24;
+``SFJAX_EXECUTABLE_CACHE``): rebuilding the same engine, as a test suite or an evaluation loop
+does, compiles once, and the memory held is bounded by that many executables plus the live
+engines'. Shapes, not programs, are what cost: an engine compiles one executable per shape bucket
+it meets (``Engine._shape``), and on XLA:CPU each takes about three memory maps per kernel (about
+900 for the tiny test model's round) of the kernel's 65,530 per process.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from sfjax.engine import rounds
 from sfjax.spec import eagle
 
 PROGRAM_CACHE_SIZE = int(os.environ.get("SFJAX_PROGRAM_CACHE", "16"))
+EXECUTABLE_CACHE_SIZE = int(os.environ.get("SFJAX_EXECUTABLE_CACHE", "24"))
 
 _recent: collections.OrderedDict = collections.OrderedDict()
 
@@ -61,12 +66,22 @@ def _shapes(tree) -> tuple:
     return treedef, tuple((x.shape, str(x.dtype)) for x in leaves)
 
 
+def _executables(program: Callable) -> int:
+    """The shapes ``program`` holds compiled (1 where this JAX does not say)."""
+    size = getattr(program, "_cache_size", None)
+    return size() if size is not None else 1
+
+
 def _shared(key: tuple, build: Callable[[], Callable]) -> Callable:
-    """The program of ``key`` (what it is specialised on): a recent engine's, else built."""
+    """The program of ``key`` (what it is specialised on): a recent engine's, else built. The
+    oldest kept programs are let go past ``PROGRAM_CACHE_SIZE`` programs or past
+    ``EXECUTABLE_CACHE_SIZE`` executables among them (``key``'s own is kept)."""
     found = _recent.pop(key, None) or build()
     if PROGRAM_CACHE_SIZE > 0:
         _recent[key] = found
-        while len(_recent) > PROGRAM_CACHE_SIZE:
+        while len(_recent) > 1 and (
+                len(_recent) > PROGRAM_CACHE_SIZE
+                or sum(map(_executables, _recent.values())) > EXECUTABLE_CACHE_SIZE):
             _recent.popitem(last=False)
     return found
 
