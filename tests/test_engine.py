@@ -255,7 +255,8 @@ def test_kept_programs_are_bounded_by_the_shapes_they_hold(tiny_folder, monkeypa
     """The shared programs are let go by the executables they hold, not only by their count
     (each shape bucket an engine meets compiles one; on XLA:CPU each costs hundreds of memory
     maps): a dropped engine whose round compiled more shapes than the bound is freed once
-    another engine shape is built, though the count of programs would keep it."""
+    another engine shape is built, though the count of programs would keep it; the same engine
+    built again first takes it (the bound is applied after an engine's lookups, not between)."""
     monkeypatch.setattr(programs, "PROGRAM_CACHE_SIZE", 64)
     monkeypatch.setattr(programs, "EXECUTABLE_CACHE_SIZE", 1)
     llm = LLM(tiny_folder, max_num_seqs=4, max_model_len=48, num_scheduler_steps=1)
@@ -263,8 +264,10 @@ def test_kept_programs_are_bounded_by_the_shapes_they_hold(tiny_folder, monkeypa
         llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=3),
                      use_tqdm=False)
     assert programs._executables(llm.engine.programs.round) >= 2
+    again = LLM(tiny_folder, max_num_seqs=4, max_model_len=48, num_scheduler_steps=1)
+    assert again.engine.programs.round is llm.engine.programs.round      # the same engine: kept
     held = weakref.ref(llm.engine.programs.round)
-    del llm
+    del llm, again
     gc.collect()
     assert held() is not None                   # the newest kept program stays, whatever it holds
     LLM(tiny_folder, max_num_seqs=4, max_model_len=40, num_scheduler_steps=1)

@@ -35,7 +35,7 @@ def shape_buckets(engine) -> list[tuple]:
         verify = c.max_num_seqs * k1
         ds = lambda n: [n, 2 * n] if engine.spec.draft_cfg is not None else [0]
         out += [("round", dp * n, r, d) for n in span(1, per_shard * k1)
-                for r in span(1, verify) if r <= dp * n for d in ds(dp * n)]
+                for r in span(1, verify) if r <= bucket(dp * n, tile) for d in ds(dp * n)]
         out += [("round", dp * n, r, d)
                 for n in span(per_shard * k1, c.max_num_batched_tokens + per_shard * engine.spec.k_max)
                 for r in span(verify, verify + max_draws) for d in ds(dp * n)]

@@ -631,7 +631,8 @@ class Engine:
         ``shape`` with at most ``FIT_SLACK`` times its rows, else ``shape``: a call runs in a
         compiled bucket when one holds its rows, which saves a compile but not the padding rows'
         cost (the matmul tiles past the real rows are skipped; the K/V scatter, the gathers and
-        the zeroed outputs take every row), so decode calls do not run in a prefill's bucket. A
+        the zeroed outputs take every row), so decode calls do not run in a prefill's bucket of
+        more than ``FIT_SLACK`` times their rows. A
         count of one tile stays one tile where small tiles are certified: a call of one tile
         runs in a smaller one (``rows.Rows``)."""
         n, r, na = shape
@@ -654,7 +655,7 @@ class Engine:
         host rows past one tile takes at least every slot's k_max + 1 rows and logit rows, so
         that one bucket holds prefill chunks of any length up to it (few calls, each compiled
         once, rather than one bucket per chunk length and load), and one within a tile runs in
-        the tile's bucket, which decoding compiles anyway. With logprobs, the host's
+        a tile's rows, which decoding compiles anyway. With logprobs, the host's
         rows and then every slot's (that program's bucket without host rows is compiled once,
         ``compile.shape_buckets``; one with prefill rows the first time a call needs it: a fixed
         bucket of a whole token budget would run its padding rows wherever kernels take every

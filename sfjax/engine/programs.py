@@ -10,9 +10,10 @@ caches, keyed weakly on those closures, release the executables.
 Engines that agree on what a program is specialised on share it (the same computation, so the
 same bits) through a small process-wide LRU of ``PROGRAM_CACHE_SIZE`` programs (default 16, about
 four engines' worth; the environment variable ``SFJAX_PROGRAM_CACHE`` sets it, 0 keeps none)
-holding at most ``EXECUTABLE_CACHE_SIZE`` compiled shapes among them (default 24;
-``SFJAX_EXECUTABLE_CACHE``): rebuilding the same engine, as a test suite or an evaluation loop
-does, compiles once, and the memory held is bounded by that many executables plus the live
+trimmed, each time an engine is built, to at most ``EXECUTABLE_CACHE_SIZE`` compiled shapes
+among them (default 24; ``SFJAX_EXECUTABLE_CACHE``; the new engine's own programs are kept
+whatever they hold): rebuilding the same engine, as a test suite or an evaluation loop does,
+compiles once, and the memory held is bounded by that many executables plus the live
 engines'. Shapes, not programs, are what cost: an engine compiles one executable per shape bucket
 it meets (``Engine._shape``), and on XLA:CPU each takes about three memory maps per kernel (about
 900 for the tiny test model's round) of the kernel's 65,530 per process.
@@ -73,17 +74,22 @@ def _executables(program: Callable) -> int:
 
 
 def _shared(key: tuple, build: Callable[[], Callable]) -> Callable:
-    """The program of ``key`` (what it is specialised on): a recent engine's, else built. The
-    oldest kept programs are let go past ``PROGRAM_CACHE_SIZE`` programs or past
-    ``EXECUTABLE_CACHE_SIZE`` executables among them (``key``'s own is kept)."""
+    """The program of ``key`` (what it is specialised on): a recent engine's, else built; kept
+    as the newest."""
     found = _recent.pop(key, None) or build()
     if PROGRAM_CACHE_SIZE > 0:
         _recent[key] = found
-        while len(_recent) > 1 and (
-                len(_recent) > PROGRAM_CACHE_SIZE
-                or sum(map(_executables, _recent.values())) > EXECUTABLE_CACHE_SIZE):
-            _recent.popitem(last=False)
     return found
+
+
+def _trim(keep: int) -> None:
+    """Lets the oldest kept programs go past ``PROGRAM_CACHE_SIZE`` programs or past
+    ``EXECUTABLE_CACHE_SIZE`` executables among them, but not the newest ``keep`` (the engine
+    just built's: trimming between its lookups would drop a program it is about to take)."""
+    while len(_recent) > keep and (
+            len(_recent) > PROGRAM_CACHE_SIZE
+            or sum(map(_executables, _recent.values())) > EXECUTABLE_CACHE_SIZE):
+        _recent.popitem(last=False)
 
 
 def programs_for(engine) -> Programs:
@@ -111,6 +117,7 @@ def programs_for(engine) -> Programs:
             ("round", run, steps, logprobs, target, draft, opts),
             lambda logprobs=logprobs: _jit(rounds.call, ("state",), opts, run=run,
                                            max_rounds=steps, with_logprobs=logprobs))
+    _trim(keep=sum(callable(p) for p in progs.values()))
     return Programs(**progs)
 
 
