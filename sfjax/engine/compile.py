@@ -36,8 +36,8 @@ def shape_buckets(engine) -> list[tuple]:
         ds = lambda n: [n, 2 * n] if engine.spec.draft_cfg is not None else [0]
         out += [("round", dp * n, r, d) for n in span(1, per_shard * k1)
                 for r in span(1, verify) if r <= bucket(dp * n, tile) for d in ds(dp * n)]
-        out += [("round", dp * n, r, d)
-                for n in span(per_shard * k1, c.max_num_batched_tokens + per_shard * engine.spec.k_max)
+        prefill = span(per_shard * k1, c.max_num_batched_tokens + per_shard * engine.spec.k_max)
+        out += [("round", dp * n, r, d) for n in prefill
                 for r in span(verify, verify + max_draws) for d in ds(dp * n)]
     out.append(("logprobs", *engine._shape([0] * dp, 0, [], True)))
     if engine.programs.forget is not None:                 # an EAGLE head's features dropped

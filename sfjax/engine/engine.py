@@ -632,9 +632,8 @@ class Engine:
         compiled bucket when one holds its rows, which saves a compile but not the padding rows'
         cost (the matmul tiles past the real rows are skipped; the K/V scatter, the gathers and
         the zeroed outputs take every row), so decode calls do not run in a prefill's bucket of
-        more than ``FIT_SLACK`` times their rows. A
-        count of one tile stays one tile where small tiles are certified: a call of one tile
-        runs in a smaller one (``rows.Rows``)."""
+        more than ``FIT_SLACK`` times their rows. A count of one tile stays one tile where small
+        tiles are certified: a call of one tile runs in a smaller one (``rows.Rows``)."""
         n, r, na = shape
         one = self.dp * self.config.row_tile
         small = bool(self.run.small_tiles)
