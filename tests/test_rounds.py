@@ -151,6 +151,79 @@ def test_arrivals_aborts_and_host_requests_between_rounds(tiny_folder, folders):
     assert results[8] == results[1]
 
 
+def _spy_follows(eng):
+    """Counts the calls ``Engine._follow`` sends before the one before them is read back, and
+    those of their requests that had ended on the host by the time the call was read (a stop
+    string, an abort, a failure: their tokens dropped)."""
+    seen = {"sent": 0, "dropped": 0, "with_stops": 0, "waiting": 0, "no_round": 0}
+    follow, collect = eng._follow, eng._collect
+
+    def spy_follow(call):
+        nxt = follow(call)
+        seen["sent"] += nxt is not None
+        seen["with_stops"] += nxt is not None and any(req.params.stop for req in nxt.decode)
+        return nxt
+
+    def spy_collect(call):
+        seen["dropped"] += sum(req.status is not Status.RUNNING for req in call.decode)
+        if call.waits:          # sent while requests waited for slots: no round if one ended
+            seen["waiting"] += 1
+            seen["no_round"] += int(np.asarray(call.result[0])[0, 1]) == 0
+        return collect(call)
+
+    eng._follow, eng._collect = spy_follow, spy_collect
+    return seen
+
+
+# draft-rejection first, after the test above: each kind's two runs and the tests before it
+# share compiled programs (the suite's programs cache is bounded, and a draft model's round
+# takes the longest to compile)
+@pytest.mark.parametrize("steps", [1, 8])
+@pytest.mark.parametrize("kind", ["draft-rejection", "plain", "ngram", "ngram-threshold"])
+def test_async_scheduling_gives_the_same_outputs(tiny_folder, folders, kind, steps):
+    """The next call sent before the last is read back (``async_scheduling``, the default): every
+    output (tokens, text, finish and stop reasons, logprobs bitwise, speculation counters per
+    request and in total) and the device rounds equal an engine that reads each call back before
+    sending the next, with stop strings that end requests on the host while the next call runs
+    (its tokens for them are dropped) and every device stop rule. Calls went out early, also
+    while requests waited for slots (then running no round when a request had ended in the call
+    before, so its slot goes to a waiting one first); under a speculation threshold none with a
+    request that has stop strings: the device would count it as running after the host had
+    ended it (``Engine._follow``)."""
+    spec = _spec(kind.replace("-threshold", ""), folders)
+    if kind == "ngram-threshold":
+        spec = dict(spec, disable_by_batch_size=3)
+    order = (1, 3, 6, 7, 0, 2)         # the last two, with stop strings, wait for a slot
+    free = LLM(tiny_folder, **GEOMETRY, speculative_config=spec).generate(
+        [PROMPTS[0], PROMPTS[2]], [_params()[0], _params()[2]], use_tqdm=False)
+    stops = {i: [o.outputs[0].text[len(o.outputs[0].text) // 2:][:2]] for i, o in zip((0, 2), free)}
+    params = [dataclasses.replace(_params()[i], stop=stops.get(i), logprobs=n)
+              for i, n in zip(order, (2, 0, 5, None, None, 3))]
+    prompts = [PROMPTS[i] for i in order]
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec,
+                  async_scheduling=overlap)
+        seen = _spy_follows(llm.engine)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        m = llm.get_metrics()
+        runs[overlap] = (_summary(outs), [(o.outputs[0].logprobs, o.outputs[0].cumulative_logprob,
+                                           o.metrics.spec_decode) for o in outs],
+                         m["steps"], m.get("spec_decode"), seen)
+        check_idle(llm.engine)
+    off, on = runs[False], runs[True]
+    assert on[:2] == off[:2] and on[3] == off[3]
+    assert on[2] >= off[2]          # more device rounds only for requests ended on the host
+    assert off[4] == dict.fromkeys(off[4], 0)
+    assert on[4]["sent"] > 0, "no call went out before the last was read back"
+    if kind == "ngram-threshold":
+        assert on[4]["with_stops"] == 0
+    else:
+        assert on[4]["with_stops"] > 0 and on[4]["dropped"] > 0, on[4]
+        assert 0 < on[4]["no_round"] < on[4]["waiting"], on[4]    # six requests, four slots
+    assert any(o[3] is not None for o in on[0]), "no stop string ended a request"
+
+
 def test_rounds_shrink_to_the_free_blocks(tiny_folder):
     """A cache too small for 16 rounds of every request: fewer rounds per call (or single steps
     with preemption), the same tokens as a roomy single-step engine."""
@@ -291,76 +364,6 @@ def test_a_row_whose_pages_do_not_hold_its_drafts_drafts_none(tiny_folder, folde
     check_idle(tight.engine)
 
 
-def _spy_follows(eng):
-    """Counts the calls ``Engine._follow`` sends before the one before them is read back, and
-    those of their requests that had ended on the host by the time the call was read (a stop
-    string, an abort, a failure: their tokens dropped)."""
-    seen = {"sent": 0, "dropped": 0, "with_stops": 0, "waiting": 0, "no_round": 0}
-    follow, collect = eng._follow, eng._collect
-
-    def spy_follow(call):
-        nxt = follow(call)
-        seen["sent"] += nxt is not None
-        seen["with_stops"] += nxt is not None and any(req.params.stop for req in nxt.decode)
-        return nxt
-
-    def spy_collect(call):
-        seen["dropped"] += sum(req.status is not Status.RUNNING for req in call.decode)
-        if call.waits:          # sent while requests waited for slots: no round if one ended
-            seen["waiting"] += 1
-            seen["no_round"] += int(np.asarray(call.result[0])[0, 1]) == 0
-        return collect(call)
-
-    eng._follow, eng._collect = spy_follow, spy_collect
-    return seen
-
-
-@pytest.mark.parametrize("kind", ["plain", "ngram", "draft-rejection", "ngram-threshold"])
-@pytest.mark.parametrize("steps", [1, 8])
-def test_async_scheduling_gives_the_same_outputs(tiny_folder, folders, kind, steps):
-    """The next call sent before the last is read back (``async_scheduling``, the default): every
-    output (tokens, text, finish and stop reasons, logprobs bitwise, speculation counters per
-    request and in total) and the device rounds equal an engine that reads each call back before
-    sending the next, with stop strings that end requests on the host while the next call runs
-    (its tokens for them are dropped) and every device stop rule. Calls went out early, also
-    while requests waited for slots (then running no round when a request had ended in the call
-    before, so its slot goes to a waiting one first); under a speculation threshold none with a
-    request that has stop strings: the device would count it as running after the host had
-    ended it (``Engine._follow``)."""
-    spec = _spec(kind.replace("-threshold", ""), folders)
-    if kind == "ngram-threshold":
-        spec = dict(spec, disable_by_batch_size=3)
-    order = (1, 3, 6, 7, 0, 2)         # the last two, with stop strings, wait for a slot
-    free = LLM(tiny_folder, **GEOMETRY, speculative_config=spec).generate(
-        [PROMPTS[0], PROMPTS[2]], [_params()[0], _params()[2]], use_tqdm=False)
-    stops = {i: [o.outputs[0].text[len(o.outputs[0].text) // 2:][:2]] for i, o in zip((0, 2), free)}
-    params = [dataclasses.replace(_params()[i], stop=stops.get(i), logprobs=n)
-              for i, n in zip(order, (2, 0, 5, None, None, 3))]
-    prompts = [PROMPTS[i] for i in order]
-    runs = {}
-    for overlap in (False, True):
-        llm = LLM(tiny_folder, **GEOMETRY, num_scheduler_steps=steps, speculative_config=spec,
-                  async_scheduling=overlap)
-        seen = _spy_follows(llm.engine)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        m = llm.get_metrics()
-        runs[overlap] = (_summary(outs), [(o.outputs[0].logprobs, o.outputs[0].cumulative_logprob,
-                                           o.metrics.spec_decode) for o in outs],
-                         m["steps"], m.get("spec_decode"), seen)
-        check_idle(llm.engine)
-    off, on = runs[False], runs[True]
-    assert on[:2] == off[:2] and on[3] == off[3]
-    assert on[2] >= off[2]          # more device rounds only for requests ended on the host
-    assert off[4] == dict.fromkeys(off[4], 0)
-    assert on[4]["sent"] > 0, "no call went out before the last was read back"
-    if kind == "ngram-threshold":
-        assert on[4]["with_stops"] == 0
-    else:
-        assert on[4]["with_stops"] > 0 and on[4]["dropped"] > 0, on[4]
-        assert 0 < on[4]["no_round"] < on[4]["waiting"], on[4]    # six requests, four slots
-    assert any(o[3] is not None for o in on[0]), "no stop string ended a request"
-
-
 def test_aborts_failures_and_arrivals_while_a_call_is_in_flight(tiny_folder, folders):
     """Each while a call is in flight (sent before the last was read back): a request is aborted,
     one fails as its tokens are read (its detokenizer raises), and one arrives. The aborted one
@@ -459,32 +462,30 @@ def test_a_call_not_read_back_leaves_the_engine_able_to_step(tiny_folder):
 
 
 @pytest.mark.parametrize("kind", ["plain", "ngram"])
-def test_decode_calls_do_not_run_in_a_prefill_bucket(tiny_folder, folders, kind):
+def test_decode_calls_do_not_run_in_a_prefill_bucket(tiny_folder, folders, kind, monkeypatch):
     """After a prefill of 4 prompts of 30 tokens (a 128-row bucket), decoding calls run in a
     bucket of at most ``FIT_SLACK`` times their own rows (4 slots of k + 1 rows: 16), not in
-    the prefill's: every row of a bucket costs the round something, skipped tiles or not. The
-    tokens equal those of calls of one round each (which never share the prefill's bucket)."""
-    from sfjax.engine.engine import FIT_SLACK
+    the prefill's: every row of a bucket costs the round something, skipped tiles or not (here
+    with no calls waiting before a bucket compiles, ``COMPILE_AFTER``: the next test counts
+    them). The tokens equal those of calls of one round each (which never share the prefill's
+    bucket)."""
+    from sfjax.engine import engine
     from sfjax.rows import bucket
 
+    monkeypatch.setattr(engine, "COMPILE_AFTER", 0)
     spec = _spec(kind, folders)
     prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 480 + 2 for j in range(30)]}
                for i in range(4)]
     params = [dataclasses.replace(p, max_tokens=20) for p in _params()[:4]]
     llm = LLM(tiny_folder, **GEOMETRY, speculative_config=spec, num_scheduler_steps=8)
-    shapes, call = [], llm.engine._call
-
-    def spy(batch, draft, rows, *args, **kwargs):
-        shapes.append((sum(rows), len(batch.tokens), len(batch.logit_rows)))
-        return call(batch, draft, rows, *args, **kwargs)
-
-    llm.engine._call = spy
+    shapes = _spy_shapes(llm.engine)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     k1 = 4 if spec else 1
     need = bucket(GEOMETRY["max_num_seqs"] * k1, GEOMETRY["row_tile"])
     assert max(n for host, n, _ in shapes if host) >= 4 * need      # a prefill bucket ran
     decode = [(n, r) for host, n, r in shapes if not host]
-    assert decode and all(n <= FIT_SLACK * need and r <= FIT_SLACK * need for n, r in decode)
+    slack = engine.FIT_SLACK
+    assert decode and all(n <= slack * need and r <= slack * need for n, r in decode)
     one = LLM(tiny_folder, **GEOMETRY, speculative_config=spec, num_scheduler_steps=1)
     assert got == [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
     check_idle(llm.engine)
@@ -493,21 +494,34 @@ def test_decode_calls_do_not_run_in_a_prefill_bucket(tiny_folder, folders, kind)
 def test_a_speculating_engine_sizes_its_decode_bucket_by_its_load(tiny_folder, folders):
     """One request on an engine of 32 slots with n-gram k = 3 decodes in one tile (its own
     k + 1 rows), not in a bucket of every slot's (128 rows and logit rows): the bucket follows
-    the slots that decode. The tokens equal a plain engine's."""
+    the slots that decode. Its first ``COMPILE_AFTER`` decode calls run in the prefill's
+    bucket (128 rows), which the engine has compiled; the next compiles the tile's bucket, and
+    every later one runs in it. The tokens equal a plain engine's."""
+    from sfjax.engine.engine import COMPILE_AFTER
+
     prompt = [{"prompt_token_ids": [3, 3, 17, 250, 3, 3, 17, 250, 3, 3]}]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(tiny_folder, max_num_seqs=32, max_model_len=64, row_tile=8,
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm = LLM(tiny_folder, max_num_seqs=32, max_model_len=64, row_tile=8, num_scheduler_steps=1,
               speculative_config=_spec("ngram", folders))
-    shapes, call = [], llm.engine._call
+    shapes = _spy_shapes(llm.engine)
+    got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    prefill = [s[1:] for s in shapes if s[0]]
+    assert len(prefill) == 1 and prefill[0][0] == 128, shapes      # every slot's k + 1 rows
+    decode = [(n, r) for host, n, r in shapes if not host]
+    assert len(decode) > COMPILE_AFTER + 2, shapes        # 48 tokens, at most 4 a call
+    assert decode == prefill * COMPILE_AFTER + [(8, 8)] * (len(decode) - COMPILE_AFTER)
+    ref = LLM(tiny_folder, **GEOMETRY).generate(prompt, params, use_tqdm=False)
+    assert got == ref[0].outputs[0].token_ids
+    check_idle(llm.engine)
+
+
+def _spy_shapes(eng) -> list[tuple]:
+    """(host rows, rows, logit rows) of each call ``eng`` sends, in order."""
+    shapes, call = [], eng._call
 
     def spy(batch, draft, rows, *args, **kwargs):
         shapes.append((sum(rows), len(batch.tokens), len(batch.logit_rows)))
         return call(batch, draft, rows, *args, **kwargs)
 
-    llm.engine._call = spy
-    got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    decode = [(n, r) for host, n, r in shapes if not host]
-    assert decode and set(decode) == {(8, 8)}, shapes
-    ref = LLM(tiny_folder, **GEOMETRY).generate(prompt, params, use_tqdm=False)
-    assert got == ref[0].outputs[0].token_ids
-    check_idle(llm.engine)
+    eng._call = spy
+    return shapes

@@ -45,6 +45,7 @@ logger = logging.getLogger("sfjax")
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 FIT_SLACK = 2           # a call reuses a compiled bucket of at most 2 times its rows (``_fit``)
+COMPILE_AFTER = 8       # calls that run padded in a larger bucket before their own compiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +206,7 @@ class Engine:
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
         self._shapes: set[tuple] = set()               # the buckets its calls have run in
         self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
+        self._asked: dict[tuple, int] = {}             # calls per bucket not yet run (_fit)
         self.requests: dict[str, Request] = {}
         self._held: dict[str, RequestOutput] = {}      # outputs for the next step
         self._plan, self._dispatched = [], False
@@ -474,7 +476,8 @@ class Engine:
 
     def _follow(self, call: Call) -> Call | None:
         """The next call, dispatched before ``call`` is read back, or None. It runs ``call``'s
-        rounds in ``call``'s bucket over the slot state ``call`` leaves on the device (only new
+        rounds in the bucket of ``call``'s rows (``_shape``: ``call``'s, or a smaller one once
+        its compile is due) over the slot state ``call`` leaves on the device (only new
         pages sent): the rounds a later call would run, so the same tokens. A row that ended in
         ``call`` is not live there (``rounds.call``); the tokens of a request that ended on the
         host meanwhile (a stop string, an abort, a failure) are dropped when it is read.
@@ -508,9 +511,12 @@ class Engine:
         for req, upto in reach:
             sched.grow(req, upto)
         waits = bool(sched.waiting)      # then no round if a request ended in ``call``
-        result = self._call(*call.args, None, call.num_rounds, waits, 0, False,
+        with_logprobs = call.args[3]     # its bucket again: ``_fit`` counts it (COMPILE_AFTER)
+        batch, draft, _, rows = self._host_rows([], decode, with_logprobs)
+        args = (batch, draft, rows, with_logprobs)
+        result = self._call(*args, None, call.num_rounds, waits, 0, False,
                             len(decode) if waits else 0)
-        return dataclasses.replace(call, result=result, waits=waits)
+        return dataclasses.replace(call, args=args, result=result, waits=waits)
 
     def _collect(self, call: Call) -> list[RequestOutput]:
         """Reads ``call`` back: its host rows' draws, its decoding requests' tokens (those still
@@ -633,7 +639,15 @@ class Engine:
         cost (the matmul tiles past the real rows are skipped; the K/V scatter, the gathers and
         the zeroed outputs take every row), so decode calls do not run in a prefill's bucket of
         more than ``FIT_SLACK`` times their rows. A count of one tile stays one tile where small
-        tiles are certified: a call of one tile runs in a smaller one (``rows.Rows``)."""
+        tiles are certified: a call of one tile runs in a smaller one (``rows.Rows``).
+
+        A bucket is compiled only once ``COMPILE_AFTER`` calls have asked for it: until then
+        they run in the smallest larger bucket the engine has run, so a load that passes (a
+        batch draining as its requests end) costs some padded calls, not a compile (seconds on
+        XLA:CPU, more on an accelerator), and a load that stays gets its own bucket. Counted per
+        bucket, not in a row, so prefill calls between decode calls do not reset the count. A
+        call that no compiled bucket holds compiles its own at once; ``precompile`` runs every
+        bucket, so a precompiled engine never waits."""
         n, r, na = shape
         one = self.dp * self.config.row_tile
         small = bool(self.run.small_tiles)
@@ -642,7 +656,12 @@ class Engine:
                                           else need <= have <= FIT_SLACK * need)
         fits = [sh for sh in self._shapes if holds(sh[0], n, small) and holds(sh[1], r, small)
                 and (na is None or holds(sh[2], na, draft_small))]
-        return min(fits) if fits else shape
+        if fits:
+            return min(fits)
+        larger = [sh for sh in self._shapes
+                  if sh[0] >= n and sh[1] >= r and (na is None or sh[2] >= na)]
+        self._asked[shape] = asked = self._asked.get(shape, 0) + 1
+        return min(larger) if larger and asked <= COMPILE_AFTER else shape
 
     def _shape(self, rows: list[int], logit_rows: int, decode: list[Request],
                with_logprobs: bool) -> tuple:
