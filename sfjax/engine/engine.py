@@ -45,7 +45,7 @@ logger = logging.getLogger("sfjax")
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 FIT_SLACK = 2           # a call reuses a compiled bucket of at most 2 times its rows (``_fit``)
-COMPILE_AFTER = 8       # calls that run padded in a larger bucket before their own compiles
+COMPILE_AFTER = 2       # calls that run padded in a larger bucket before their own compiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,11 +643,11 @@ class Engine:
 
         A bucket is compiled only once ``COMPILE_AFTER`` calls have asked for it: until then
         they run in the smallest larger bucket the engine has run, so a load that passes (a
-        batch draining as its requests end) costs some padded calls, not a compile (seconds on
-        XLA:CPU, more on an accelerator), and a load that stays gets its own bucket. Counted per
-        bucket, not in a row, so prefill calls between decode calls do not reset the count. A
-        call that no compiled bucket holds compiles its own at once; ``precompile`` runs every
-        bucket, so a precompiled engine never waits."""
+        batch draining as its requests end) costs a padded call or two, not a compile (seconds
+        on XLA:CPU, more on an accelerator), and a load that comes back gets its own bucket.
+        Counted per bucket, not in a row, so prefill calls between decode calls do not reset
+        the count. A call that no compiled bucket holds compiles its own at once; ``precompile``
+        runs every bucket, so a precompiled engine never waits."""
         n, r, na = shape
         one = self.dp * self.config.row_tile
         small = bool(self.run.small_tiles)
