@@ -39,6 +39,8 @@ import numpy as np
 def run(llm, prompts, params, repeats: int) -> dict:
     import jax
 
+    from sfjax import benchmark as B
+
     eng = llm.engine
     spent = {"device": 0.0}
 
@@ -54,7 +56,7 @@ def run(llm, prompts, params, repeats: int) -> dict:
     wrapped = dataclasses.replace(progs, **{
         f.name: timed(getattr(progs, f.name)) for f in dataclasses.fields(progs)
         if callable(getattr(progs, f.name))})
-    llm.generate(prompts, params, use_tqdm=False)                 # warm-up: compiles
+    B.warm_up(llm, lambda: llm.generate(prompts, params, use_tqdm=False))   # compiles
     best: dict = {}
     for _ in range(repeats):
         for overlap in (False, True):

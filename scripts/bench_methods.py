@@ -104,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                                       "num_assistant_tokens_schedule": "constant"}}
                 for name, fn in B.hf_passes(default_model_path(), work, temperature, modes).items():
                     passes[f"HF {name}"] = fn
-            for fn in passes.values():                 # warm-up: compiles every shape
-                fn()
+            for name, fn in passes.items():            # warm-up: compiles every shape
+                if name in llms:
+                    B.warm_up(llms[name], fn)
+                else:
+                    fn()
             best = {}
             for _ in range(args.repeats):
                 for name, fn in passes.items():

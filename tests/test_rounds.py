@@ -510,9 +510,28 @@ def test_a_speculating_engine_sizes_its_decode_bucket_by_its_load(tiny_folder, f
     decode = [(n, r) for host, n, r in shapes if not host]
     assert len(decode) > COMPILE_AFTER + 2, shapes        # 48 tokens, at most 4 a call
     assert decode == prefill * COMPILE_AFTER + [(8, 8)] * (len(decode) - COMPILE_AFTER)
+    assert llm.engine.buckets_pending() == []
     ref = LLM(tiny_folder, **GEOMETRY).generate(prompt, params, use_tqdm=False)
     assert got == ref[0].outputs[0].token_ids
     check_idle(llm.engine)
+
+
+def test_a_benchmarks_warm_up_runs_until_its_buckets_have_compiled(tiny_folder, folders):
+    """A pass whose one decode call asks for the tile's bucket once: ``warm_up`` runs it until
+    that bucket has compiled (``COMPILE_AFTER`` + 1 passes), so a timed pass runs in it."""
+    from sfjax.benchmark import warm_up
+    from sfjax.engine.engine import COMPILE_AFTER
+
+    llm = LLM(tiny_folder, max_num_seqs=32, max_model_len=64, row_tile=8,
+              enable_prefix_caching=False, speculative_config=_spec("ngram", folders))
+    prompt = [{"prompt_token_ids": [3, 3, 17, 250, 3, 3, 17, 250, 3, 3]}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    shapes, passes = _spy_shapes(llm.engine), []
+    warm_up(llm, lambda: passes.append(llm.generate(prompt, params, use_tqdm=False)))
+    assert len(passes) == COMPILE_AFTER + 1 and llm.engine.buckets_pending() == []
+    shapes.clear()
+    llm.generate(prompt, params, use_tqdm=False)
+    assert [s[1:] for s in shapes if not s[0]] == [(8, 8)], shapes
 
 
 def _spy_shapes(eng) -> list[tuple]:

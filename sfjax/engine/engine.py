@@ -663,6 +663,12 @@ class Engine:
         self._asked[shape] = asked = self._asked.get(shape, 0) + 1
         return min(larger) if larger and asked <= COMPILE_AFTER else shape
 
+    def buckets_pending(self) -> list[tuple]:
+        """The buckets calls have asked for that have not compiled yet (``_fit``): calls that
+        ask for them again run padded until the ask after ``COMPILE_AFTER``. A benchmark's
+        warm-up runs until this is empty (``sfjax.benchmark.warm_up``)."""
+        return sorted(sh for sh in self._asked if sh not in self._shapes)
+
     def _shape(self, rows: list[int], logit_rows: int, decode: list[Request],
                with_logprobs: bool) -> tuple:
         """The (rows, logit rows, draft rows) a call runs in: the host's ``rows`` per data shard
