@@ -27,15 +27,15 @@ class Workload:
 
 
 def warm_up(llm, one_pass: Callable[[], object]) -> None:
-    """Runs ``one_pass`` (a pass of a benchmark's workload on ``llm``) until every bucket its
-    calls ask for has compiled: an engine compiles a smaller bucket at its ``COMPILE_AFTER`` + 1st
-    ask (``Engine._fit``), so one pass leaves its draining calls padded; the timed passes then
-    run as a long-running engine runs the workload."""
+    """Runs ``one_pass`` (a pass of a benchmark's workload on ``llm``, an LLM or an Engine) until
+    every bucket its calls ask for has compiled: an engine compiles a smaller bucket at its
+    ``COMPILE_AFTER`` + 1st ask (``Engine._fit``), so one pass leaves its draining calls padded;
+    the timed passes then run as a long-running engine runs the workload."""
     from sfjax.engine.engine import COMPILE_AFTER
 
     for _ in range(COMPILE_AFTER + 2):
         one_pass()
-        if not llm.engine.buckets_pending():
+        if not getattr(llm, "engine", llm).buckets_pending():
             return
 
 

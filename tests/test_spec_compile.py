@@ -8,7 +8,10 @@ from engine_checks import compiles
 from sfjax import LLM, SamplingParams, toy
 
 
-def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder):
+def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder, monkeypatch):
+    from sfjax.engine import engine
+
+    monkeypatch.setattr(engine, "COMPILE_AFTER", 0)   # buckets at their first ask: this is about k
     target = model_folder(toy.tiny_config(), seed=0, std=0.1)
     # one round per call, so every call below is the engine's one program (its rounds with
     # logprobs are one shape whatever the composition: test_precompile_covers_every_step_of_a_run)

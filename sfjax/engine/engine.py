@@ -206,7 +206,7 @@ class Engine:
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
         self._shapes: set[tuple] = set()               # the buckets its calls have run in
         self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
-        self._asked: dict[tuple, int] = {}             # calls per bucket not yet run (_fit)
+        self._asked: dict[tuple, int] = {}             # calls that asked for each bucket (_fit)
         self.requests: dict[str, Request] = {}
         self._held: dict[str, RequestOutput] = {}      # outputs for the next step
         self._plan, self._dispatched = [], False
@@ -638,8 +638,9 @@ class Engine:
         compiled bucket when one holds its rows, which saves a compile but not the padding rows'
         cost (the matmul tiles past the real rows are skipped; the K/V scatter, the gathers and
         the zeroed outputs take every row), so decode calls do not run in a prefill's bucket of
-        more than ``FIT_SLACK`` times their rows. A count of one tile stays one tile where small
-        tiles are certified: a call of one tile runs in a smaller one (``rows.Rows``).
+        more than ``FIT_SLACK`` times their rows (past their first asks, below). A count of one
+        tile stays one tile where small tiles are certified: a call of one tile runs in a
+        smaller one (``rows.Rows``).
 
         A bucket is compiled only once ``COMPILE_AFTER`` calls have asked for it: until then
         they run in the smallest larger bucket the engine has run, so a load that passes (a
@@ -648,26 +649,31 @@ class Engine:
         Counted per bucket, not in a row, so prefill calls between decode calls do not reset
         the count. A call that no compiled bucket holds compiles its own at once; ``precompile``
         runs every bucket, so a precompiled engine never waits."""
+        fits = self._fits(shape)
+        if fits:
+            return min(fits)
+        n, r, na = shape
+        larger = [sh for sh in self._shapes
+                  if sh[0] >= n and sh[1] >= r and (na is None or sh[2] >= na)]
+        self._asked[shape] = asked = self._asked.get(shape, 0) + 1
+        return min(larger) if larger and asked <= COMPILE_AFTER else shape
+
+    def _fits(self, shape: tuple) -> list[tuple]:
+        """The buckets this engine has run that hold ``shape`` within ``FIT_SLACK`` (``_fit``)."""
         n, r, na = shape
         one = self.dp * self.config.row_tile
         small = bool(self.run.small_tiles)
         draft_small = bool(self.run.draft_small_tiles)
         holds = lambda have, need, tiny: (have == need if tiny and need <= one
                                           else need <= have <= FIT_SLACK * need)
-        fits = [sh for sh in self._shapes if holds(sh[0], n, small) and holds(sh[1], r, small)
+        return [sh for sh in self._shapes if holds(sh[0], n, small) and holds(sh[1], r, small)
                 and (na is None or holds(sh[2], na, draft_small))]
-        if fits:
-            return min(fits)
-        larger = [sh for sh in self._shapes
-                  if sh[0] >= n and sh[1] >= r and (na is None or sh[2] >= na)]
-        self._asked[shape] = asked = self._asked.get(shape, 0) + 1
-        return min(larger) if larger and asked <= COMPILE_AFTER else shape
 
     def buckets_pending(self) -> list[tuple]:
         """The buckets calls have asked for that have not compiled yet (``_fit``): calls that
         ask for them again run padded until the ask after ``COMPILE_AFTER``. A benchmark's
         warm-up runs until this is empty (``sfjax.benchmark.warm_up``)."""
-        return sorted(sh for sh in self._asked if sh not in self._shapes)
+        return sorted(sh for sh in self._asked if sh not in self._shapes and not self._fits(sh))
 
     def _shape(self, rows: list[int], logit_rows: int, decode: list[Request],
                with_logprobs: bool) -> tuple:

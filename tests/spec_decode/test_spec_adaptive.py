@@ -60,10 +60,14 @@ def test_ngram_and_eagle3_with_adaptive_k_equal_plain(spec_llm, plain_llm, eagle
         assert delta(before, spec_counters(llm))["num_drafts"] > 0
 
 
-def test_host_and_device_pick_the_same_k_and_nothing_recompiles(tiny_folder, drafts):
+def test_host_and_device_pick_the_same_k_and_nothing_recompiles(tiny_folder, drafts, monkeypatch):
     """One step per call (the host picks k) and eight (the device does): the same drafts and
     acceptances request by request. Then a workload whose acceptance, so its k, differs runs on
-    the programs already compiled."""
+    the programs already compiled (each bucket compiled at its first ask, ``COMPILE_AFTER`` 0:
+    this is about k)."""
+    from sfjax.engine import engine
+
+    monkeypatch.setattr(engine, "COMPILE_AFTER", 0)
     spec = {"method": "draft_model", "model": drafts["near"], "num_speculative_tokens": "auto",
             "draft_cost": 0.1}
     ps = prompts(8, seed=BATCH8_SEED)
