@@ -12,8 +12,8 @@ Plain suite (the default; one random llama-68m-shaped model). Per batch size B, 
 prompts of --prompt-len random token ids (fixed seed) and generates exactly --max-tokens tokens
 greedily (EOS ignored). A warm-up run comes first (sfjax compiles its step shapes on first use;
 warm-up less the same work warm is reported as compile), then more, not counted, until every
-bucket the runs ask for has compiled (``sfjax.benchmark.warm_up``). Then, timed with time.perf_counter around
-generate(), each the best of --repeats runs:
+bucket the runs ask for has compiled (``sfjax.benchmark.warm_up``). Then, timed with
+time.perf_counter around generate(), each the best of --repeats runs:
   * prefill: a max_tokens=1 run (prefill plus the first token, i.e. TTFT of the whole batch);
   * total:   the max_tokens run; tok/s = B * max_tokens / total (prefill included);
   * decode:  B * (max_tokens - 1) / (total - prefill), the rate with the prefill taken out.
