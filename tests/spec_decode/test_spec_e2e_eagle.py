@@ -95,6 +95,29 @@ def test_rejection_sampler_tokens_do_not_depend_on_batch_steps_or_prefix_cache(t
     assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
 
 
+def test_a_cache_hit_reads_nothing_the_slots_last_request_left(tiny_folder, eagle_head):
+    """The head's row before a cache hit's first computed position is the cached request's:
+    the features the slot's last request kept are dropped at admission (``eagle.forget``),
+    whatever position they were at. So a seeded request under rejection sampling gets the
+    tokens and acceptance it gets without the cache, after requests of every length near the
+    hit's end (one slot's worth at a time: each runs in slot 0)."""
+    spec = {"method": "eagle3", "model": eagle_head, "num_speculative_tokens": 3,
+            "acceptance_method": "rejection_sampler"}
+    shared = prompts(1, seed=6, lo=24, hi=25)[0]["prompt_token_ids"]
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=12, ignore_eos=True)
+    kw = dict(block_size=8, speculative_config=spec, **GEOMETRY)
+    fresh, llm = LLM(tiny_folder, enable_prefix_caching=False, **kw), LLM(tiny_folder, **kw)
+    run(llm, [{"prompt_token_ids": shared}], greedy(4))         # the cached blocks
+    for n in range(13, 20):               # the slot's last request ends at length n
+        run(llm, prompts(1, seed=n, lo=n - 4, hi=n - 3), greedy(4))
+        p = {"prompt_token_ids": shared[:17] + [n, 2 * n, 3 * n]}   # hits 16 tokens, then its own
+        hits = llm.get_metrics()["prefix_cache"]["hit_tokens"]
+        got, want = run(llm, [p], params)[0], run(fresh, [p], params)[0]
+        assert llm.get_metrics()["prefix_cache"]["hit_tokens"] - hits == 16
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, n
+        assert got.metrics.spec_decode == want.metrics.spec_decode, n
+
+
 def test_prefix_caching_under_preemption_equals_plain(tiny_folder, eagle_head):
     spec = {"method": "eagle3", "model": eagle_head, "num_speculative_tokens": 3}
     shared = prompts(1, seed=3, lo=21, hi=22)[0]["prompt_token_ids"]
