@@ -10,10 +10,10 @@ Run:
 
 Plain suite (the default; one random llama-68m-shaped model). Per batch size B, each engine gets B
 prompts of --prompt-len random token ids (fixed seed) and generates exactly --max-tokens tokens
-greedily (EOS ignored). A warm-up run comes first (sfjax compiles its step shapes on first use;
-warm-up less the same work warm is reported as compile), then more, not counted, until every
-bucket the runs ask for has compiled (``sfjax.benchmark.warm_up``). Then, timed with
-time.perf_counter around generate(), each the best of --repeats runs:
+greedily (EOS ignored). Warm-up runs come first, until every bucket the runs ask for has
+compiled (``sfjax.benchmark.warm_up``: sfjax compiles its step shapes on first use, and a
+smaller bucket at a later ask); the warm-up less the same passes warm is reported as compile.
+Then, timed with time.perf_counter around generate(), each the best of --repeats runs:
   * prefill: a max_tokens=1 run (prefill plus the first token, i.e. TTFT of the whole batch);
   * total:   the max_tokens run; tok/s = B * max_tokens / total (prefill included);
   * decode:  B * (max_tokens - 1) / (total - prefill), the rate with the prefill taken out.
@@ -83,16 +83,25 @@ def sfjax_gen(llm, ids: list[list[int]], stats: dict | None = None):
 
 
 def bench_sfjax(folder: str, ids: list[list[int]], max_tokens: int, repeats: int) -> dict:
-    import sfjax.benchmark
+    import sfjax
     t = time.perf_counter()
     # the timed runs repeat the warm-up's prompts: no prefix cache, or prefill would be skipped
     llm = sfjax.LLM(folder, max_num_seqs=len(ids), max_model_len=len(ids[0]) + max_tokens,
                     enable_prefix_caching=False)
     load = time.perf_counter() - t
     gen = sfjax_gen(llm, ids)
-    warm = gen(max_tokens)[0] + gen(1)[0]    # compiles the shapes of both timed runs
-    sfjax.benchmark.warm_up(llm, lambda: (gen(max_tokens), gen(1)))
-    return timed(gen, len(ids), max_tokens, repeats, load=load, warm=warm, warm_prefill=True)
+    warm, passes = warm_up(llm, lambda: (gen(max_tokens), gen(1)))
+    return timed(gen, len(ids), max_tokens, repeats, load=load, warm=warm, passes=passes,
+                 warm_prefill=True)
+
+
+def warm_up(llm, one_pass) -> tuple[float, int]:
+    """(seconds, passes) of ``one_pass`` run until every shape the passes ask for has compiled
+    (``sfjax.benchmark.warm_up``; the first compiles the shapes of both timed runs)."""
+    import sfjax.benchmark
+    t = time.perf_counter()
+    passes = sfjax.benchmark.warm_up(llm, one_pass)
+    return time.perf_counter() - t, passes
 
 
 HF_ROUNDS = {"rounds": 0, "drafted": 0, "accepted": 0, "rounds_with_drafts": 0}
@@ -198,9 +207,11 @@ def wait_quiet(limit: float, max_cores: float, sample: float = 5.0) -> float:
 def timed(gen, b: int, n: int, repeats: int, warm_prefill: bool, quiet: dict | None = None,
           **r) -> dict:
     """Best-of-``repeats`` prefill (max_tokens=1) and full runs, keeping the full run's tokens;
-    compile = warm-up time less the same runs warm (the first-call cost). r["others"]: cores
-    other processes used meanwhile. With ``quiet`` (wait, max_cores, retries), the timed runs
-    start after wait_quiet and are redone (up to ``retries`` times) when others used more."""
+    compile = warm-up time (``r["warm"]``, ``r["passes"]`` passes, default 1) less that many
+    passes warm (the first-call cost, and the compiles of buckets a later pass asks for).
+    r["others"]: cores other processes used meanwhile. With ``quiet`` (wait, max_cores,
+    retries), the timed runs start after wait_quiet and are redone (up to ``retries`` times)
+    when others used more."""
     for attempt in range(1 + (quiet["retries"] if quiet else 0)):
         if quiet:
             r["waited"] = r.get("waited", 0.0) + wait_quiet(quiet["wait"], quiet["max_cores"])
@@ -212,7 +223,8 @@ def timed(gen, b: int, n: int, repeats: int, warm_prefill: bool, quiet: dict | N
             break
     r["total"], r["tokens"] = min(runs, key=lambda x: x[0])
     r["spread"] = max(x[0] for x in runs) / r["total"]
-    r["compile"] = r["warm"] - r["total"] - (r["prefill"] if warm_prefill else 0.0)
+    r["compile"] = r["warm"] - r.get("passes", 1) * (r["total"] + (r["prefill"] if warm_prefill
+                                                                 else 0.0))
     r["tok_s"] = b * n / r["total"]
     r["decode_tok_s"] = b * (n - 1) / max(r["total"] - r["prefill"], 1e-9) if n > 1 else float("nan")
     return r
@@ -342,7 +354,7 @@ def spec_numbers(r: dict, s: dict) -> None:
 
 
 def spec_suite(args) -> None:
-    import sfjax.benchmark
+    import sfjax
     batch_sizes = [int(b) for b in (args.batch_sizes or "1,8").split(",")]
     n, k, plen = args.max_tokens, args.k, args.prompt_len
     if args.model:
@@ -419,10 +431,9 @@ def spec_suite(args) -> None:
                 stats = {}
                 gen = sfjax_gen(llm, sets[pname], stats)
                 settle()
-                warm = gen(n)[0] + gen(1)[0]
-                sfjax.benchmark.warm_up(llm, lambda: (gen(n), gen(1)))
-                r = timed(gen, b, n, args.repeats, load=load, warm=warm, warm_prefill=True,
-                          quiet=quiet)
+                warm, passes = warm_up(llm, lambda: (gen(n), gen(1)))
+                r = timed(gen, b, n, args.repeats, load=load, warm=warm, passes=passes,
+                          warm_prefill=True, quiet=quiet)
                 if i:   # the first prompt set paid the compiles
                     r["compile"] = float("nan")
                 if spec:

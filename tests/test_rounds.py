@@ -518,7 +518,8 @@ def test_a_speculating_engine_sizes_its_decode_bucket_by_its_load(tiny_folder, f
 
 def test_a_benchmarks_warm_up_runs_until_its_buckets_have_compiled(tiny_folder, folders):
     """A pass whose one decode call asks for the tile's bucket once: ``warm_up`` runs it until
-    that bucket has compiled (``COMPILE_AFTER`` + 1 passes), so a timed pass runs in it."""
+    that bucket has compiled (``COMPILE_AFTER`` + 1 passes, which it returns: a benchmark's
+    compile time is its warm-up less that many warm passes), so a timed pass runs in it."""
     from sfjax.benchmark import warm_up
     from sfjax.engine.engine import COMPILE_AFTER
 
@@ -527,8 +528,8 @@ def test_a_benchmarks_warm_up_runs_until_its_buckets_have_compiled(tiny_folder, 
     prompt = [{"prompt_token_ids": [3, 3, 17, 250, 3, 3, 17, 250, 3, 3]}]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     shapes, passes = _spy_shapes(llm.engine), []
-    warm_up(llm, lambda: passes.append(llm.generate(prompt, params, use_tqdm=False)))
-    assert len(passes) == COMPILE_AFTER + 1 and llm.engine.buckets_pending() == []
+    ran = warm_up(llm, lambda: passes.append(llm.generate(prompt, params, use_tqdm=False)))
+    assert ran == len(passes) == COMPILE_AFTER + 1 and llm.engine.buckets_pending() == []
     shapes.clear()
     llm.generate(prompt, params, use_tqdm=False)
     assert [s[1:] for s in shapes if not s[0]] == [(8, 8)], shapes
