@@ -47,9 +47,10 @@ def test_sharded_equals_one_device(engines, reference, tp, dp):
 
 
 # KV heads sharded (tp 4) and replicated (tp 8), over one and two data shards, the draft sharded
-# like the target or whole (draft tp 1); the tp 4 engines are built for other tests anyway
-@pytest.mark.parametrize("tp, dp, draft_tp", [(4, 1, None), (8, 1, None), (4, 2, None), (4, 1, 1),
-                                              (4, 2, 1)])
+# like the target or whole (draft tp 1); the tp 4 engines are built for other tests anyway.
+# tp 4 over one shard with the draft sharded like the target is left out (12 s of the suite):
+# each of its three properties is in at least two of these cases
+@pytest.mark.parametrize("tp, dp, draft_tp", [(8, 1, None), (4, 2, None), (4, 1, 1), (4, 2, 1)])
 def test_speculation_sharded_equals_one_device(engines, reference, tp, dp, draft_tp):
     llm = engines(tp, dp, spec=True, draft_tp=draft_tp)       # path-exact: plain decoding's tokens
     assert _ids(llm) == reference
