@@ -83,25 +83,16 @@ def sfjax_gen(llm, ids: list[list[int]], stats: dict | None = None):
 
 
 def bench_sfjax(folder: str, ids: list[list[int]], max_tokens: int, repeats: int) -> dict:
-    import sfjax
+    import sfjax.benchmark
     t = time.perf_counter()
     # the timed runs repeat the warm-up's prompts: no prefix cache, or prefill would be skipped
     llm = sfjax.LLM(folder, max_num_seqs=len(ids), max_model_len=len(ids[0]) + max_tokens,
                     enable_prefix_caching=False)
     load = time.perf_counter() - t
     gen = sfjax_gen(llm, ids)
-    warm, passes = warm_up(llm, lambda: (gen(max_tokens), gen(1)))
+    warm, passes = sfjax.benchmark.warm_up(llm, lambda: (gen(max_tokens), gen(1)))
     return timed(gen, len(ids), max_tokens, repeats, load=load, warm=warm, passes=passes,
                  warm_prefill=True)
-
-
-def warm_up(llm, one_pass) -> tuple[float, int]:
-    """(seconds, passes) of ``one_pass`` run until every shape the passes ask for has compiled
-    (``sfjax.benchmark.warm_up``; the first compiles the shapes of both timed runs)."""
-    import sfjax.benchmark
-    t = time.perf_counter()
-    passes = sfjax.benchmark.warm_up(llm, one_pass)
-    return time.perf_counter() - t, passes
 
 
 HF_ROUNDS = {"rounds": 0, "drafted": 0, "accepted": 0, "rounds_with_drafts": 0}
@@ -354,7 +345,7 @@ def spec_numbers(r: dict, s: dict) -> None:
 
 
 def spec_suite(args) -> None:
-    import sfjax
+    import sfjax.benchmark
     batch_sizes = [int(b) for b in (args.batch_sizes or "1,8").split(",")]
     n, k, plen = args.max_tokens, args.k, args.prompt_len
     if args.model:
@@ -431,7 +422,7 @@ def spec_suite(args) -> None:
                 stats = {}
                 gen = sfjax_gen(llm, sets[pname], stats)
                 settle()
-                warm, passes = warm_up(llm, lambda: (gen(n), gen(1)))
+                warm, passes = sfjax.benchmark.warm_up(llm, lambda: (gen(n), gen(1)))
                 r = timed(gen, b, n, args.repeats, load=load, warm=warm, passes=passes,
                           warm_prefill=True, quiet=quiet)
                 if i:   # the first prompt set paid the compiles

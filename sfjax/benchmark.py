@@ -26,19 +26,20 @@ class Workload:
     prompts: list[str | None]
 
 
-def warm_up(llm, one_pass: Callable[[], object]) -> int:
+def warm_up(llm, one_pass: Callable[[], object]) -> tuple[float, int]:
     """Runs ``one_pass`` (a pass of a benchmark's workload on ``llm``, an LLM or an Engine) until
     every bucket its calls ask for has compiled: an engine compiles a smaller bucket at its
     ``COMPILE_AFTER`` + 1st ask (``Engine._fit``), so one pass leaves its draining calls padded;
-    the timed passes then run as a long-running engine runs the workload. Returns the passes
-    run (a benchmark's compile time is its warm-up less that many warm passes)."""
+    the timed passes then run as a long-running engine runs the workload. Returns (seconds,
+    passes run): a benchmark's compile time is the warm-up less that many warm passes."""
     from sfjax.engine.engine import COMPILE_AFTER
 
+    t = time.perf_counter()
     for done in range(1, COMPILE_AFTER + 3):
         one_pass()
         if not getattr(llm, "engine", llm).buckets_pending():
             break
-    return done
+    return time.perf_counter() - t, done
 
 
 def random_workload(num: int, input_len: int, output_len: int, vocab: int, seed: int) -> Workload:

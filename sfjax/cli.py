@@ -135,9 +135,7 @@ def _bench(args) -> int:
         compile_s = llm.engine.precompile(progress=not args.json)
         if not args.json:
             print(f"compiled every shape bucket in {compile_s:.2f} s")
-    t0 = time.monotonic()
-    B.warm_up(llm, lambda: B.run_engine(llm, work, params))   # compiles every shape it uses
-    warm = time.monotonic() - t0
+    warm, _ = B.warm_up(llm, lambda: B.run_engine(llm, work, params))   # compiles every shape
     passes = {"sfjax": lambda: B.run_engine(llm, work, params)}
     if args.compare_hf:
         modes = {"plain": {}}

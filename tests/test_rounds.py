@@ -528,7 +528,7 @@ def test_a_benchmarks_warm_up_runs_until_its_buckets_have_compiled(tiny_folder, 
     prompt = [{"prompt_token_ids": [3, 3, 17, 250, 3, 3, 17, 250, 3, 3]}]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     shapes, passes = _spy_shapes(llm.engine), []
-    ran = warm_up(llm, lambda: passes.append(llm.generate(prompt, params, use_tqdm=False)))
+    _, ran = warm_up(llm, lambda: passes.append(llm.generate(prompt, params, use_tqdm=False)))
     assert ran == len(passes) == COMPILE_AFTER + 1 and llm.engine.buckets_pending() == []
     shapes.clear()
     llm.generate(prompt, params, use_tqdm=False)
