@@ -35,6 +35,7 @@ checks it on the model before it is used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -260,33 +261,38 @@ _CERTIFIED: dict = {}
 
 def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
                       candidates: tuple[int, ...] = SMALL_ROW_TILES, *,
-                      attention: str = "auto") -> tuple[int, ...]:
+                      attention: str = "auto",
+                      compiler_options: tuple[tuple[str, Any], ...] = ()) -> tuple[int, ...]:
     """The tiles of ``candidates`` (below ``row_tile``, dividing it) that give, row for row, the
     bits of ``row_tile`` tiles: forward (hidden states and the K/V written) and logits of a probe
     step run both ways on this backend, compared bitwise. One device, no mesh.
 
     A GEMM library picks its kernels by M, so this is the library's property, not XLA's
     contract: XLA:CPU's (YNNPACK) computes M = 2, 4 and 8 with the same per-row arithmetic and
-    M = 1 and 16 with other bits (measured on the demo model). The answer depends on shapes only,
-    so it is kept per (model shape, row_tile, backend) for the process, and across processes on
-    this machine, jax and sfjax source (``sfjax.certificate_cache``).
+    M = 1 and 16 with other bits (measured on the demo model). The probe compiles with the
+    engine's XLA ``compiler_options`` (sorted pairs): the options change bits (at -O1 and up LLVM
+    fuses a multiply and an add into one FMA, at -O0 it does not), so a certificate holds for the
+    programs compiled like it. The answer depends on shapes and options only, so it is kept per
+    (model shape, row_tile, backend, options) for the process, and across processes on this
+    machine, jax and sfjax source (``sfjax.certificate_cache``).
     """
     from sfjax import certificate_cache
 
     cands = tuple(sorted(t for t in set(candidates) if t < row_tile and row_tile % t == 0))
     key = (cfg, row_tile, cands, attention, jax.default_backend(),
            isinstance(weights.wq, (tuple, list)),
-           tuple(str(x.dtype) for x in jax.tree.leaves(weights)))
+           tuple(str(x.dtype) for x in jax.tree.leaves(weights)), tuple(compiler_options))
     if key not in _CERTIFIED and cands:
         found = certificate_cache.recall(key)
         if found is None:
-            found = _certify(weights, cfg, row_tile, cands, attention)
+            found = _certify(weights, cfg, row_tile, cands, attention, dict(compiler_options))
             certificate_cache.remember(key, found)
         _CERTIFIED[key] = found
     return _CERTIFIED.get(key, ())
 
 
-def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention: str):
+def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention: str,
+             options: dict):
     """One program with the candidate tiles, run twice per candidate t: slot 0's rows 0..t-1
     alone (a tile of t), then with a row of slot 1 at the step's last row (a tile of row_tile).
     Slot 0's logits, hidden states and pages must be the same bits."""
@@ -300,7 +306,7 @@ def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention
         np.arange(1, 1 + 2 * per_slot, dtype=np.int32).reshape(2, per_slot)))
     cache = KVCache.zeros(cfg, 1 + 2 * per_slot, block_size)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=options or None)
     def probe(m, other):
         i = jnp.arange(n)
         positions = jnp.where(i < m, i, jnp.where((i == n - 1) & other, 0, -1))
@@ -319,10 +325,12 @@ def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention
 
 
 def certified_tiles(weights: Weights, cfg: ModelConfig, row_tile: int, *, attention: str,
-                    mesh=None, enabled: bool = True) -> tuple[int, ...]:
+                    mesh=None, enabled: bool = True,
+                    compiler_options: tuple[tuple[str, Any], ...] = ()) -> tuple[int, ...]:
     """The small row tiles this backend certifies for the model (``certify_row_tiles``), the
     ``RunConfig``'s: on one CPU device only (a mesh's sharded bodies are not probed; on
     accelerators a step's few rows are not what a decode step costs)."""
     if not enabled or mesh is not None or jax.default_backend() != "cpu":
         return ()
-    return certify_row_tiles(weights, cfg, row_tile, attention=attention)
+    return certify_row_tiles(weights, cfg, row_tile, attention=attention,
+                             compiler_options=compiler_options)

@@ -141,13 +141,16 @@ def test_the_certificate_refuses_a_tile_with_other_bits(setup, monkeypatch):
 def test_certificates_are_kept_across_processes_and_keyed_on_what_they_follow(setup, monkeypatch,
                                                                                tmp_path):
     """A probe's answer is stored (sfjax.certificate_cache) and a fresh process takes it without
-    probing; another key (row tile, XLA flags) or a damaged file probes again."""
+    probing; another key (row tile, XLA flags, the engine's compile options: they change bits) or
+    a damaged file probes again."""
     w, _ = setup
     monkeypatch.setenv("SFJAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(R, "_CERTIFIED", {})
     probes = []
     certify = R._certify
-    monkeypatch.setattr(R, "_certify", lambda *a: probes.append(a[2]) or certify(*a))
+    options = []
+    monkeypatch.setattr(R, "_certify",
+                        lambda *a: probes.append(a[2]) or options.append(a[5]) or certify(*a))
     first = R.certify_row_tiles(w, CFG, 8, (2, 4))
     assert probes == [8] and (tmp_path / "row_tile_certificates.json").exists()
     monkeypatch.setattr(R, "_CERTIFIED", {})                # as a new process
@@ -157,6 +160,9 @@ def test_certificates_are_kept_across_processes_and_keyed_on_what_they_follow(se
     monkeypatch.setattr(R, "_CERTIFIED", {})
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
     assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == first and probes == [8, 4, 8]
+    monkeypatch.setattr(R, "_CERTIFIED", {})
+    R.certify_row_tiles(w, CFG, 8, (2, 4), compiler_options=(("xla_backend_optimization_level", 1),))
+    assert probes == [8, 4, 8, 8] and options[-1] == {"xla_backend_optimization_level": 1}
     (tmp_path / "row_tile_certificates.json").write_text("{not json")
     monkeypatch.setattr(R, "_CERTIFIED", {})
-    assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == first and probes == [8, 4, 8, 8]
+    assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == first and probes == [8, 4, 8, 8, 8]

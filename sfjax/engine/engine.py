@@ -120,8 +120,11 @@ def compiler_options(field: str, options) -> tuple[tuple[str, Any], ...]:
     """``options`` (a dict or (name, value) pairs of XLA compile options: DebugOptions fields
     such as ``xla_gpu_autotune_level`` or ``xla_backend_optimization_level``) as sorted pairs;
     each is tried on a trivial program of the default backend, so a name XLA does not know or a
-    value of the wrong kind is a ValueError naming the field before anything runs. XLA:CPU keeps
-    IEEE semantics at every optimization level, so the levels give the same bits there."""
+    value of the wrong kind is a ValueError naming the field before anything runs. Options may
+    change bits: on XLA:CPU, -O1 and up fuse a multiply and an add into one FMA where -O0 rounds
+    twice, so some logits differ in their last bits (and a token may, where two candidates tie
+    that closely). An engine's programs and its small-tile certificate all compile with its
+    options."""
     if options is None:
         return ()
     pairs = options.items() if isinstance(options, dict) else options
@@ -175,6 +178,7 @@ class Engine:
         self.weights = sharding.place_weights(weights, cfg, mesh, self._split)
         tiles = lambda c, w: R.certified_tiles(w, c, config.row_tile, mesh=mesh,
                                                attention=config.attention,
+                                               compiler_options=config.compiler_options,
                                                enabled=config.small_row_tiles
                                                and R.kernel_for(config.matmul, cfg) is None)
         max_len = _max_len(cfg, config)
