@@ -270,9 +270,9 @@ def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
     A GEMM library picks its kernels by M, so this is the library's property, not XLA's
     contract: XLA:CPU's (YNNPACK) computes M = 2, 4 and 8 with the same per-row arithmetic and
     M = 1 and 16 with other bits (measured on the demo model). The probe compiles with the
-    engine's XLA ``compiler_options`` (sorted pairs): the options change bits (at -O1 and up LLVM
-    fuses a multiply and an add into one FMA, at -O0 it does not), so a certificate holds for the
-    programs compiled like it. The answer depends on shapes and options only, so it is kept per
+    engine's XLA ``compiler_options`` (sorted pairs), which change bits
+    (``engine.compiler_options``), so a certificate holds for programs compiled like it. The
+    answer depends on shapes and options only, so it is kept per
     (model shape, row_tile, backend, options) for the process, and across processes on this
     machine, jax and sfjax source (``sfjax.certificate_cache``).
     """
