@@ -9,8 +9,8 @@ import numpy as np
 # The suite compiles at LLVM -O0 (conftest.py): a third less time per compile, but code several
 # times slower for everything XLA:CPU generates itself (all but the matmuls). A test that runs a
 # full-size model for hundreds of steps spends more time running than compiling, so its engines
-# compile as users' do, at the default -O2 (``EngineConfig.compiler_options``); the bits are the
-# same at every level (tests/test_engine.py).
+# compile at level 2 (``EngineConfig.compiler_options``); such a test compares its engines' runs
+# with each other, all compiled alike (options change bits: tests/conftest.py).
 RUNS_LONG = {"xla_backend_optimization_level": 2}
 
 

@@ -34,6 +34,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN_PATH = os.path.join(HERE, "golden", "engine_runs.json")
 FORMAT = 1
 MULTIDEVICE_FLAGS = "--xla_force_host_platform_device_count=8"
+# XLA:CPU settings the suite compiles with (tests/conftest.py says why), dropped for the
+# fake-device runs, and each one's default, as a compile option
+SUITE_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
+XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+
+
+def xla_defaults() -> dict:
+    """``jax.jit`` compiler options that undo the suite's settings in this process's XLA_FLAGS,
+    so a program compiles as users compile it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {name: value for name, value in XLA_DEFAULTS.items() if f"--{name}=" in flags}
 
 MAX_LEN = 48
 SECOND_LAYER = 0.2                          # the target's second layer, scaled (build_models)
@@ -347,10 +358,10 @@ def multidevice_runs() -> list[dict]:
 
 def start_multidevice(out_path: str) -> subprocess.Popen:
     """Starts the subprocess that executes the fake-device runs into ``out_path`` (JSON), at
-    XLA's default optimization level: the suite's -O0 (tests/conftest.py) dropped, so the
-    recorded tokens are checked as users compile them too."""
+    XLA's defaults: the suite's compile settings (tests/conftest.py, ``SUITE_FLAGS``) dropped, so
+    the recorded tokens are checked as users compile them too."""
     inherited = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_backend_optimization_level")]
+                 if f.split("=")[0] not in SUITE_FLAGS]
     env = dict(os.environ, XLA_FLAGS=" ".join([*inherited, MULTIDEVICE_FLAGS]))
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--multidevice", out_path],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
