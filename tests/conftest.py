@@ -35,9 +35,9 @@ def _xla_accepts(flag: str) -> bool:
                           capture_output=True, timeout=120).returncode == 0
 
 
-for _name, _value in SUITE_FLAGS.items():
-    if _name not in os.environ.get("XLA_FLAGS", "") and _xla_accepts(f"{_name}={_value}"):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_name}={_value}".strip()
+for _name, (_value, _) in SUITE_FLAGS.items():
+    if f"--{_name}" not in os.environ.get("XLA_FLAGS", "") and _xla_accepts(f"--{_name}={_value}"):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_name}={_value}".strip()
 
 import jax  # noqa: E402
 import pytest

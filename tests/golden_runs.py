@@ -35,16 +35,16 @@ GOLDEN_PATH = os.path.join(HERE, "golden", "engine_runs.json")
 FORMAT = 1
 MULTIDEVICE_FLAGS = "--xla_force_host_platform_device_count=8"
 # XLA:CPU settings the suite compiles with (tests/conftest.py says why), dropped for the
-# fake-device runs, and each one's default, as a compile option
-SUITE_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
-XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+# fake-device runs: name -> (the suite's XLA_FLAGS value, XLA's default as a compile option)
+SUITE_FLAGS = {"xla_backend_optimization_level": ("0", 3),
+               "xla_cpu_use_fusion_emitters": ("false", True)}
 
 
 def xla_defaults() -> dict:
     """``jax.jit`` compiler options that undo the suite's settings in this process's XLA_FLAGS,
     so a program compiles as users compile it."""
     flags = os.environ.get("XLA_FLAGS", "")
-    return {name: value for name, value in XLA_DEFAULTS.items() if f"--{name}=" in flags}
+    return {name: default for name, (_, default) in SUITE_FLAGS.items() if f"--{name}=" in flags}
 
 MAX_LEN = 48
 SECOND_LAYER = 0.2                          # the target's second layer, scaled (build_models)
@@ -361,7 +361,7 @@ def start_multidevice(out_path: str) -> subprocess.Popen:
     XLA's defaults: the suite's compile settings (tests/conftest.py, ``SUITE_FLAGS``) dropped, so
     the recorded tokens are checked as users compile them too."""
     inherited = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if f.split("=")[0] not in SUITE_FLAGS]
+                 if f.split("=")[0].removeprefix("--") not in SUITE_FLAGS]
     env = dict(os.environ, XLA_FLAGS=" ".join([*inherited, MULTIDEVICE_FLAGS]))
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--multidevice", out_path],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
