@@ -1,9 +1,7 @@
 """Invariants of a live engine, checked between steps by several tests."""
 
 import collections
-import contextlib
 
-import jax
 import numpy as np
 
 # The suite compiles at LLVM -O0 (conftest.py): a third less time per compile, but code several
@@ -12,19 +10,6 @@ import numpy as np
 # compile at level 2 (``EngineConfig.compiler_options``); such a test compares its engines' runs
 # with each other, all compiled alike (options change bits: tests/conftest.py).
 RUNS_LONG = {"xla_backend_optimization_level": 2}
-
-
-@contextlib.contextmanager
-def compiles():
-    """Yields a list that collects one entry per XLA backend compile inside the block."""
-    seen = []
-    listen = lambda event, secs, **kw: seen.append(event) if event.endswith(
-        "backend_compile_duration") else None
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def check_engine(eng) -> None:

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from engine_checks import compiles
 from sfjax import LLM, SamplingParams, sampling, toy
+from sfjax.benchmark import compiles
 from sfjax.engine import programs, rounds
 from sfjax.engine.slots import SlotSync
 from sfjax.spec import config as spec_config

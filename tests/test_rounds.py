@@ -518,8 +518,9 @@ def test_a_speculating_engine_sizes_its_decode_bucket_by_its_load(tiny_folder, f
 
 def test_a_benchmarks_warm_up_runs_until_its_buckets_have_compiled(tiny_folder, folders):
     """A pass whose one decode call asks for the tile's bucket once: ``warm_up`` runs it until
-    that bucket has compiled (``COMPILE_AFTER`` + 1 passes, which it returns: a benchmark's
-    compile time is its warm-up less that many warm passes), so a timed pass runs in it."""
+    that bucket has compiled and then one pass more that compiles nothing (``COMPILE_AFTER`` + 2
+    passes, which it returns: a benchmark's compile time is its warm-up less that many warm
+    passes), so a timed pass runs in it."""
     from sfjax.benchmark import warm_up
     from sfjax.engine.engine import COMPILE_AFTER
 
@@ -529,10 +530,30 @@ def test_a_benchmarks_warm_up_runs_until_its_buckets_have_compiled(tiny_folder, 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     shapes, passes = _spy_shapes(llm.engine), []
     _, ran = warm_up(llm, lambda: passes.append(llm.generate(prompt, params, use_tqdm=False)))
-    assert ran == len(passes) == COMPILE_AFTER + 1 and llm.engine.buckets_pending() == []
+    assert ran == len(passes) == COMPILE_AFTER + 2 and llm.engine.buckets_pending() == []
     shapes.clear()
     llm.generate(prompt, params, use_tqdm=False)
     assert [s[1:] for s in shapes if not s[0]] == [(8, 8)], shapes
+
+
+def test_a_benchmarks_warm_up_waits_for_the_prefix_caches_buckets(tiny_folder):
+    """The first pass of a repeated prompt compiles every bucket it asks for (its decode calls
+    ask the tile's bucket more than ``COMPILE_AFTER`` times), but the next pass meets the prefix
+    cache, and its shorter prefill asks for a bucket of its own: ``warm_up`` runs until that one
+    has compiled too, so a timed pass after it compiles nothing and runs in its own buckets."""
+    from sfjax.benchmark import compiles, warm_up
+    from sfjax.engine.engine import COMPILE_AFTER
+
+    llm = LLM(tiny_folder, max_num_seqs=4, max_model_len=128, row_tile=8, block_size=16,
+              num_scheduler_steps=1)
+    prompt = [{"prompt_token_ids": list(range(3, 51))}]          # 48: 32 cached, 16 computed
+    params = SamplingParams(temperature=0, max_tokens=COMPILE_AFTER + 3, ignore_eos=True)
+    _, ran = warm_up(llm, lambda: llm.generate(prompt, params, use_tqdm=False))
+    hits = llm.get_metrics()["prefix_cache"]["hit_tokens"]
+    assert hits == 32 * (ran - 1) and ran == COMPILE_AFTER + 3
+    with compiles() as seen:
+        llm.generate(prompt, params, use_tqdm=False)
+    assert not seen and llm.engine.buckets_pending() == []
 
 
 def _spy_shapes(eng) -> list[tuple]:

@@ -4,8 +4,8 @@ or sampling parameters does not recompile it."""
 import numpy as np
 import pytest
 
-from engine_checks import compiles
 from sfjax import LLM, SamplingParams, toy
+from sfjax.benchmark import compiles
 
 
 def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder, monkeypatch):

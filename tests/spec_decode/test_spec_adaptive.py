@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from engine_checks import compiles
 from sfjax import LLM
+from sfjax.benchmark import compiles
 from sfjax.spec.config import ADAPTIVE_MAX, SpeculativeConfig, adaptive_k
 from spec_util import (BATCH8_SEED, GEOMETRY, assert_same_outputs, delta, greedy, prompts,
                        repeated_prompts, run, sampled, spec_counters)
