@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -30,6 +31,10 @@ class EngineOverloaded(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down or has stopped, and takes no new request."""
+
+
+class EngineStepFailed(RuntimeError):
+    """A step failed as a whole (not one request's fault): every live request ends with it."""
 
 
 class _Stream:
@@ -84,6 +89,7 @@ class AsyncLLM:
         self._cv = threading.Condition()
         self._stopping = False
         self._accepting = True
+        self._admitting: set[concurrent.futures.Future] = set()    # adds queued, not yet run
         self._ids = itertools.count()
         self._snapshot = self._take_snapshot()
         self._thread = threading.Thread(target=self._run, name="sfjax-engine", daemon=True)
@@ -127,7 +133,8 @@ class AsyncLLM:
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         finished = False
         try:
-            self._submit(lambda: self._add(request_id, prompt, sampling_params, admitted))
+            self._submit(lambda: self._add(request_id, prompt, sampling_params, admitted),
+                         admitted)
             await asyncio.wrap_future(admitted)
             while not finished:
                 out = await stream.get()
@@ -136,7 +143,8 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._submit(lambda: self._abort(request_id))
+                with contextlib.suppress(EngineClosed):      # a stopped engine holds nothing
+                    self._submit(lambda: self._abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Aborts a live request: its consumer gets a last output with finish_reason "abort"."""
@@ -163,14 +171,25 @@ class AsyncLLM:
             self._cv.notify()
         self._thread.join(timeout)
 
-    def _submit(self, command: Callable[[], None]) -> None:
+    def _submit(self, command: Callable[[], None],
+                admitted: concurrent.futures.Future | None = None) -> None:
+        """Queues ``command`` for the engine thread (``admitted``: the future an add sets, which
+        fails with EngineClosed if the thread stops first); EngineClosed once it has stopped."""
         with self._cv:
+            if self._stopping:
+                raise EngineClosed("the engine has stopped")
             self._commands.append(command)
+            if admitted is not None:
+                self._admitting.add(admitted)
             self._cv.notify()
 
     # -- the engine thread --------------------------------------------------------------------
 
     def _add(self, request_id: str, prompt, params, admitted: concurrent.futures.Future) -> None:
+        with self._cv:
+            self._admitting.discard(admitted)
+        if not admitted.set_running_or_notify_cancel():
+            return           # its caller left while the add was queued: nothing to admit
         try:
             self.engine.add_request(request_id, prompt, params)
         except Exception as e:   # ValueError / TypeError naming the field go back to the caller
@@ -207,7 +226,13 @@ class AsyncLLM:
             self._fail_all(e)
             raise
         finally:
-            self._stopping = True
+            self._accepting = False
+            with self._cv:
+                self._stopping = True
+                waiting, self._admitting = self._admitting, set()
+            for admitted in waiting:     # queued adds that will not run
+                if admitted.set_running_or_notify_cancel():
+                    admitted.set_exception(EngineClosed("the engine has stopped"))
             self._fail_all(EngineClosed("the engine has stopped"))
 
     def _step(self) -> None:
@@ -217,7 +242,7 @@ class AsyncLLM:
             logger.exception("sfjax engine step failed")
             for rid in list(self._streams):
                 self.engine.abort(rid)
-            self._fail_all(RuntimeError(f"engine step failed: {e}"))
+            self._fail_all(EngineStepFailed(f"engine step failed: {e}"))
             outs = []
         self._snapshot = self._take_snapshot()
         self._deliver(outs)

@@ -124,6 +124,38 @@ def test_async_llm(llm):
     asyncio.run(main())
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_caller_leaving_before_admission_costs_no_one_else(llm):
+    """A caller cancelled while its add waits behind a busy engine thread is never admitted, and
+    the loop carries on; a loop that dies fails queued and new callers with EngineClosed at
+    once, none left waiting."""
+    from sfjax.async_llm import EngineClosed
+
+    engine = AsyncLLM.from_llm(llm)
+    busy = threading.Event()
+
+    async def main():
+        engine._submit(lambda: (busy.set(), time.sleep(0.5)))     # the thread is held here
+        assert await asyncio.to_thread(busy.wait, 10)
+        gone = asyncio.ensure_future(_collect(engine, PROMPTS[0], _params(0), "gone"))
+        await asyncio.sleep(0.1)                                  # its add is queued
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        out = await asyncio.wait_for(_collect(engine, PROMPTS[1], _params(1), "next"), 60)
+        assert out.finished and len(out.outputs[0].token_ids) == 12 and engine.is_running
+        assert "gone" not in engine.engine.requests
+        engine._submit(lambda: (busy.clear(), time.sleep(0.3), 1 / 0))   # the loop dies
+        queued = asyncio.ensure_future(engine.generate(PROMPTS[2], _params(2)).__anext__())
+        with pytest.raises(EngineClosed):
+            await asyncio.wait_for(queued, 10)
+        with pytest.raises(EngineClosed):
+            await asyncio.wait_for(engine.generate(PROMPTS[3], _params(3)).__anext__(), 10)
+        assert not engine.is_running
+
+    asyncio.run(main())
+
+
 def test_app_refusals(tiny_folder, llm):
     """The tiny model has no chat template (400 naming messages); a full queue answers 503."""
     from sfjax.serve.app import build_app

@@ -197,6 +197,12 @@ def test_logprobs_shapes(client, offline):
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8,
                                             logprobs=2, stream=True))
     assert sum(len(ch.choices[0].logprobs.tokens) for ch in chunks if ch.choices) == 8
+    # a stop string holds text back while streaming; the offsets are the whole response's
+    kw = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logprobs=1, stop=["@@@@"])
+    whole = client.completions.create(**kw).choices[0]
+    streamed = [c for ch in client.completions.create(**kw, stream=True) for c in ch.choices]
+    assert whole.finish_reason == "length"
+    assert [o for c in streamed for o in c.logprobs.text_offset] == whole.logprobs.text_offset
 
 
 BAD_COMPLETIONS = [
@@ -244,6 +250,9 @@ def test_other_bad_requests_get_400(client, server):
         (lambda: client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}],
             max_completion_tokens=-1), "max_completion_tokens"),
+        (lambda: client.chat.completions.create(       # prompt + it over max_model_len (128)
+            model=MODEL, messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=127), "max_completion_tokens"),
     ]
     for call, param in cases:
         with pytest.raises(openai.BadRequestError) as e:

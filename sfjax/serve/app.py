@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from sfjax.async_llm import AsyncLLM, EngineClosed, EngineOverloaded
+from sfjax.async_llm import AsyncLLM, EngineClosed, EngineOverloaded, EngineStepFailed
 from sfjax.serve import protocol as P
 from sfjax.serve.protocol import APIError
 
@@ -82,9 +82,12 @@ class Delta:
         self.holdback = max(map(len, params.stop), default=1) - 1
         self.text_sent = 0
         self.tokens_sent = 0
+        self.pieces_sent = 0      # characters of the sent tokens' pieces (logprobs' text_offset)
 
-    def take(self, out) -> tuple[str, list[int], list]:
-        """(new text, new token ids, their (id, logprob entry) pairs)."""
+    def take(self, out) -> tuple[str, list[int], list, int]:
+        """(new text, new token ids, their (id, logprob entry) pairs, the first one's text
+        offset: the sent tokens' pieces' length, as the whole response counts it, which the
+        text held back for stop strings does not change)."""
         c = out.outputs[0]
         end = len(c.text) if out.finished else max(self.text_sent, len(c.text) - self.holdback)
         text = c.text[self.text_sent:end]
@@ -92,7 +95,9 @@ class Delta:
         ids = c.token_ids[self.tokens_sent:]
         entries = list(zip(ids, c.logprobs[self.tokens_sent:])) if c.logprobs else []
         self.tokens_sent = len(c.token_ids)
-        return text, ids, entries
+        offset = self.pieces_sent
+        self.pieces_sent += sum(len(entry[i].decoded_token or "") for i, entry in entries)
+        return text, ids, entries, offset
 
 
 def _error_of(out) -> APIError | None:
@@ -103,6 +108,14 @@ def _error_of(out) -> APIError | None:
         return None
     return APIError(f"the request failed in the engine: {out.error or 'no detail given'}",
                     status=500, type="internal_error")
+
+
+def _engine_error(e: Exception) -> APIError:
+    """The APIError of a request the engine stopped serving: 503 once it has stopped (or is
+    shutting down), 500 for a step that failed as a whole."""
+    if isinstance(e, EngineClosed):
+        return APIError(str(e), status=503, type="service_unavailable")
+    return APIError(str(e), status=500, type="internal_error")
 
 
 async def _disconnected(raw: Request) -> None:
@@ -149,8 +162,8 @@ class Server:
         except EngineOverloaded as e:
             raise APIError(f"the server is overloaded: {e}; retry later", status=503,
                            type="service_unavailable") from None
-        except EngineClosed as e:
-            raise APIError(str(e), status=503, type="service_unavailable") from None
+        except (EngineClosed, EngineStepFailed) as e:
+            raise _engine_error(e) from None
         return first, gen
 
     # -- completions ---------------------------------------------------------------------------
@@ -171,7 +184,10 @@ class Server:
     async def _whole(self, req, raw: Request, rid: str, kind: str, first, gen, choice):
         """A non-streamed response: the request's last output as one ``choice(completion)``,
         with the token ids if asked, usage and sfjax's fields."""
-        out = await _unless_disconnected(raw, _last(first, gen))
+        try:
+            out = await _unless_disconnected(raw, _last(first, gen))
+        except (EngineClosed, EngineStepFailed) as e:
+            raise _engine_error(e) from None
         if (err := _error_of(out)) is not None:
             raise err
         c = out.outputs[0]
@@ -206,8 +222,8 @@ class Server:
         prompt = {"prompt": text,
                   "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False).ids}
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        renames = {"prompt": "messages"}
-        first, gen = await _unless_disconnected(raw, self.start(prompt, params, rid, renames))
+        first, gen = await _unless_disconnected(
+            raw, self.start(prompt, params, rid, P.chat_renames(req)))
         top = req.top_logprobs or 0
         if req.stream:
             return _sse(self._chat_chunks(req, params, rid, first, gen, top))
@@ -272,7 +288,8 @@ async def _chunks(req, params, first, gen, head, choice, opening: dict | None = 
     """A streamed response's chunks: ``opening`` (a first choice, if given), then one per output
     with new text, tokens or the end (``choice(out, text, ids, logprob entries, text offset,
     finish reason or None)``), then with include_usage a last chunk with the usage. An output
-    the engine failed ends the stream with OpenAI's error body as its event (before [DONE])."""
+    the engine failed, or an engine that stopped serving it (``_engine_error``), ends the stream
+    with OpenAI's error body as its event (before [DONE])."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices: list, **extra) -> dict:
@@ -282,16 +299,19 @@ async def _chunks(req, params, first, gen, head, choice, opening: dict | None = 
         yield chunk([opening])
     delta, out = Delta(params), first
     async with contextlib.aclosing(_chain(first, gen)) as outs:
-        async for out in outs:
-            if (err := _error_of(out)) is not None:
-                yield err.body()
-                return
-            offset = delta.text_sent
-            text, ids, entries = delta.take(out)
-            reason = out.outputs[0].finish_reason if out.finished else None
-            if text or ids or reason is not None:
-                yield chunk([choice(out, text, ids, entries, offset, reason)],
-                            **({"sfjax": P.sfjax_info(out)} if reason is not None else {}))
+        try:
+            async for out in outs:
+                if (err := _error_of(out)) is not None:
+                    yield err.body()
+                    return
+                text, ids, entries, offset = delta.take(out)
+                reason = out.outputs[0].finish_reason if out.finished else None
+                if text or ids or reason is not None:
+                    yield chunk([choice(out, text, ids, entries, offset, reason)],
+                                **({"sfjax": P.sfjax_info(out)} if reason is not None else {}))
+        except (EngineClosed, EngineStepFailed) as e:
+            yield _engine_error(e).body()
+            return
     if include_usage:
         yield {**head(), "choices": [], "usage": P.usage(out)}
 

@@ -151,11 +151,15 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs = true", "top_logprobs")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     return sampling_params(req, max_tokens=limit,
                            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                           renames={"logprobs": "top_logprobs", "max_tokens": field,
-                                    "prompt": "messages"})
+                           renames={"logprobs": "top_logprobs", **chat_renames(req)})
+
+
+def chat_renames(req: ChatCompletionRequest) -> dict[str, str]:
+    """The chat request's names of the fields an engine message names (``error_param``)."""
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return {"max_tokens": field, "prompt": "messages"}
 
 
 def completion_prompt(req: CompletionRequest) -> str | dict:
