@@ -213,7 +213,9 @@ def _convert(args) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, requests: bool = True) -> None:
+    """The engine's flags; with ``requests``, also the sampling and output flags a command's own
+    requests take (``sfjax serve`` takes them from each HTTP request instead)."""
     p.add_argument("--model", default=None,
                    help="HF model folder (default: the embedded model; generate then drafts with "
                         "its n-gram table, k = 3, unless --speculative-config says otherwise)")
@@ -246,14 +248,17 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": "path/to/draft", '
                         '"num_speculative_tokens": 4}\'')
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the engine's seed, which keys the draws of requests without a seed of "
+                        "their own" + ("; and the requests' seed" if requests else ""))
     p.add_argument("--precompile", action="store_true",
                    help="compile every shape bucket at start (a progress bar), timed apart")
+    if requests:
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--min-p", type=float, default=0.0)
+        p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(run=_bench, max_tokens=None, ignore_eos=True, stop=None)
     from sfjax.serve import cli as serve_cli      # sfjax serve, and bench --base-url
     serve_cli.add_bench_args(b, offline=_bench)
-    serve_cli.add_parser(sub, _common)
+    serve_cli.add_parser(sub, lambda p: _common(p, requests=False))
     c = sub.add_parser("convert", help="an HF model folder to an orbax checkpoint, or back",
                        description="sfjax convert SRC DST: SRC an HF folder -> DST with config.json, "
                                    "the tokenizer files and the weights as an orbax checkpoint "
@@ -300,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # sfjax's own messages; not JAX's backend probing ("Unable to initialize backend 'tpu'")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("sfjax").setLevel(logging.WARNING if args.json else logging.INFO)
+    logging.getLogger("sfjax").setLevel(logging.WARNING if getattr(args, "json", False)
+                                        else logging.INFO)
     try:
         if getattr(args, "cpu_threads", None) is not None:
             from sfjax.cpu import limit_cpu_threads

@@ -33,7 +33,8 @@ class SamplingParams:
     max_tokens: new tokens at most (vLLM's default is 16). min_tokens: no EOS, stop token or stop
         string can end the output before this many tokens (stop tokens cannot be drawn).
     stop: strings that end the output (excluded from the text unless
-        include_stop_str_in_output). stop_token_ids: tokens that end it (kept in token_ids).
+        include_stop_str_in_output). stop_token_ids: tokens that end it (kept in token_ids;
+        in the text, as EOS, only with include_stop_str_in_output).
     ignore_eos: keep going past EOS.
     logprobs: the sampled token's logprob and the top N (N <= 20) at each output position;
         prompt_logprobs: likewise for each prompt token after the first. Both are of the raw

@@ -151,3 +151,15 @@ def test_orbax_checkpoint_of_another_config_is_refused(tiny_folder, tmp_path):
     assert main(["convert", tiny_folder, ckpt]) == 0
     with pytest.raises(ValueError, match=r"weights\.\w+ has shape"):
         W.load_orbax(ckpt, toy.tiny_config(hidden_size=96, num_heads=6, num_kv_heads=3))
+
+
+def test_serve_takes_only_the_flags_it_uses():
+    """Sampling and output flags are each HTTP request's own: ``sfjax serve`` refuses them
+    rather than ignoring them; the engine's seed and ``--precompile`` it takes."""
+    from sfjax.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--seed", "3", "--precompile"])
+    assert args.seed == 3 and args.precompile
+    for flag in (["--temperature", "0"], ["--top-p", "0.9"], ["--json"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *flag])

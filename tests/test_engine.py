@@ -97,6 +97,14 @@ def test_stop_token_ids_and_min_tokens(llm):
                                               stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == base[:first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    # the stop token stays in token_ids; its text only with include_stop_str_in_output (vLLM)
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(base[:first]) != tok.decode(base[:first + 1])
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                               stop_token_ids=[stop],
+                                               include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == out.token_ids and kept.text == tok.decode(base[:first + 1])
     # before min_tokens the stop token cannot be drawn at all
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=first + 3,
                                               stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]

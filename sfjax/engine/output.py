@@ -35,9 +35,9 @@ class OutputProcessor:
         n, p = len(req.output_token_ids), req.params
         stop = self.stop_string(req, piece) if n >= p.min_tokens else None
         if n >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
-            self.finish(req, "stop", None)
+            self.finish(req, "stop", None, on_token=True)
         elif n >= p.min_tokens and token in p.stop_token_ids:
-            self.finish(req, "stop", token)
+            self.finish(req, "stop", token, on_token=True)
         elif stop is not None:
             self.finish(req, "stop", stop[0], text=stop[1])
         elif n >= req.max_tokens or req.num_tokens >= self.max_model_len:
@@ -59,12 +59,17 @@ class OutputProcessor:
         i, st = min(hits)
         return st, text[:i + len(st)] if req.params.include_stop_str_in_output else text[:i]
 
-    def finish(self, req: Request, reason: str, stop_reason, text: str | None = None) -> None:
+    def finish(self, req: Request, reason: str, stop_reason, text: str | None = None,
+               on_token: bool = False) -> None:
+        """Ends ``req``: its text is ``text`` (a stop string's cut), else its tokens' text; a
+        request that ``on_token`` (EOS or a stop token id) ended leaves that token out of the text
+        (it stays in token_ids) unless include_stop_str_in_output, as vLLM does."""
         req.status = Status.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.finished_time = time.monotonic()
         if text is None:
-            req.detok.finish(req.output_token_ids)
+            drop = on_token and not req.params.include_stop_str_in_output
+            req.detok.finish(req.output_token_ids[:-1] if drop else req.output_token_ids)
         else:
             req.detok.text = text
         self.release(req)

@@ -107,6 +107,9 @@ def run_serve(args) -> int:
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     llm = _llm(args, default_speculative_config() if args.model is None else None)
+    if args.precompile:        # before the port opens: no request waits on a compile
+        logger.info("sfjax serve: compiled every shape bucket in %.1f s",
+                    llm.engine.precompile(progress=True))
     engine = AsyncLLM.from_llm(llm, max_waiting=args.max_waiting)
     name = args.served_model_name or args.model or "sfjax-default"
     metrics = ServerMetrics(engine, name)
