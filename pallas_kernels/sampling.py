@@ -215,12 +215,14 @@ def sample_kernel(logits, bits, temperature, top_k, top_p, min_p, *, block_rows:
                       name="sfjax_sample")[:, 0]
 
 
+IMPLS = ("auto", "reference", "interpret", "triton", "mosaic_tpu")
+
+
 def _impl(impl: str, what: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"{what} impl must be one of {', '.join(IMPLS)}; got {impl!r}")
     if impl == "auto":
         impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend(), "reference")
-    if impl not in ("reference", "interpret", "triton", "mosaic_tpu"):
-        raise ValueError(f"{what} impl must be auto, reference, interpret, triton or mosaic_tpu; "
-                         f"got {impl!r}")
     return impl
 
 

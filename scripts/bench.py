@@ -1,7 +1,7 @@
 """Greedy-decode throughput of sfjax vs HF transformers: plain decoding, and speculative decoding.
 
 Run:
-    cd /work/main && . .venv/bin/activate && python scripts/bench.py
+    python scripts/bench.py
     python scripts/bench.py [--suite plain] --batch-sizes 1,32 --max-tokens 128 --prompt-len 96
                             [--repeats 3] [--no-hf] [--model PATH] [--workdir DIR]
     python scripts/bench.py --suite spec [--batch-sizes 1,8] [--max-tokens 128] [--prompt-len 96]

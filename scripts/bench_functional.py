@@ -2,7 +2,7 @@
 pair of the speculative decoding benchmark (scripts/bench.py --suite spec).
 
 Run:
-    cd /work/main && . .venv/bin/activate && python scripts/bench_functional.py
+    python scripts/bench_functional.py
     python scripts/bench_functional.py [--batch-sizes 1,32] [--max-tokens 128] [--prompt-len 96]
                                        [--k 4] [--repeats 3] [--workdir DIR]
                                        [--quiet-wait SECONDS [--quiet-cores 0.1] [--quiet-retries 3]]

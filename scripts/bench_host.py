@@ -1,7 +1,7 @@
 """Host time per engine call against device time per round, on the demo model.
 
 Run:
-    cd /work/main && . .venv/bin/activate && python scripts/bench_host.py
+    python scripts/bench_host.py
     python scripts/bench_host.py [--batch-sizes 1,32] [--max-tokens 64] [--steps 1,8] [--repeats 3]
         [--stop STRING ...] [--logprobs N] [--slots N]
 

@@ -1,7 +1,7 @@
 """Per-step sampling cost of sfjax at batch R=32 over a V=32000 vocabulary (float32 logits).
 
 Run:
-    cd /work/main && . .venv/bin/activate && python scripts/bench_sampling.py [--calls 50] [--interpret-calls 50]
+    python scripts/bench_sampling.py [--calls 50] [--interpret-calls 50]
 
 Every path is its own jax.jit with all inputs passed as arguments (nothing constant-folds), warmed
 up, then timed --calls times with block_until_ready; the median is reported, in ms per call and as

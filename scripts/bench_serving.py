@@ -2,7 +2,7 @@
 and prefix caching on a shared-prefix workload; HF transformers static batching as the peer.
 
 Run:
-    cd /work/main && . .venv/bin/activate && python scripts/bench_serving.py
+    python scripts/bench_serving.py
     python scripts/bench_serving.py [--requests 256] [--max-num-seqs 32] [--no-hf] [--workdir DIR]
                                     [--quiet-wait SECONDS] [--smoke]
 

@@ -310,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "cpu_threads", None) is not None:
             from sfjax.cpu import limit_cpu_threads
-            limit_cpu_threads(args.cpu_threads)
+            try:
+                limit_cpu_threads(args.cpu_threads)
+            except RuntimeError as e:       # a platform without thread affinity (not Linux)
+                raise ValueError(f"--cpu-threads: {e}") from None
         return args.run(args)
     except (ValueError, OSError) as e:   # JSONDecodeError and checks.InvalidType are ValueErrors
         print(f"sfjax {args.command}: error: {_one_line(e)}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Frozen, hashable configuration: the model (from HF ``config.json``) and the engine."""
+"""``ModelConfig``: what an HF ``config.json`` means, frozen and hashable (the engine's settings are
+``engine.EngineConfig``, a program's are ``run.RunConfig``)."""
 
 from __future__ import annotations
 

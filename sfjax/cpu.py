@@ -4,8 +4,8 @@ XLA:CPU runs an executable's thunks and splits its GEMMs over an intra-op thread
 the backend starts, by the cores the starting thread may run on (there is no option for it). At
 batch 1 on a small model every GEMM is a few microseconds, and handing work between the pool's
 threads costs more than it saves: on the 2-core CI machine the demo model decodes about 1.17x
-faster with a pool of one thread and the host (Python) thread free on the other core (BENCHMARKS.md,
-"One XLA:CPU thread"). Large batches want the whole pool.
+faster with a pool of one thread and the host (Python) thread free on the other core (BENCHMARKS.md, the
+paragraph on ``--cpu-threads 1`` under "The demo pair at batch 1, T = 0"). Large batches want the whole pool.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Rollback is a length: the caller moves its length by what was emitted, and K/V w
 dead (never attended, overwritten later).
 
 ``round_step`` is specialised on a ``RoundConfig``, or None for plain decoding: its proposer
-(``spec.proposers``: ``Ngram``, ``DraftModel``) and its acceptance rule (``spec.accept``:
+(``spec.proposers``: ``Ngram``, ``DraftModel``, ``Eagle``) and its acceptance rule (``spec.accept``:
 ``Exact``, ``Rejection``, ``Typical``), frozen dataclasses with one method each; the round calls
 them and never names a method.
 """

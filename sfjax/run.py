@@ -17,6 +17,7 @@ import jax
 
 from pallas_kernels.paged_attention import IMPLS as ATTENTION_IMPLS
 from pallas_kernels.matmul import KERNELS
+from pallas_kernels.sampling import IMPLS as SAMPLER_IMPLS
 from sfjax import checks as C
 from sfjax import model, rows
 from sfjax.cache import validate_block_size
@@ -38,7 +39,7 @@ def check_settings(owner: str, *, block_size: int, row_tile: int, sampler: str, 
     C.integer(f("block_size"), block_size, 1)
     validate_block_size(block_size)
     C.integer(f("row_tile"), row_tile, 1)
-    C.text(f("sampler"), sampler)
+    C.one_of(f("sampler"), sampler, SAMPLER_IMPLS)
     C.one_of(f("layer_loop"), layer_loop, model.LAYER_LOOPS)
     C.one_of(f("attention"), attention, ATTENTION_IMPLS)
     C.one_of(f("matmul"), matmul, MATMUL_KERNELS)

@@ -1,6 +1,7 @@
 """The weights pytree, described once; random init, HF safetensors loading and saving derive from it.
 
-Layers are stacked on a leading axis so the model runs them with ``lax.scan``. Matrices are
+Layers are stacked on a leading axis so the model can run them with ``lax.scan`` (off the CPU;
+on CPU they are split by layer and unrolled, ``model.unrolled``). Matrices are
 stored ``[in, out]`` (HF ``nn.Linear`` keeps ``[out, in]``; loading transposes).
 """
 

@@ -92,6 +92,14 @@ def test_errors_are_one_line_and_exit_2(argv, message, capsys, tiny_folder):
     assert message in err and len(err.splitlines()) == 1 and err.startswith(f"sfjax {argv[0]}: error:")
 
 
+def test_cpu_threads_off_linux_is_a_one_line_error(monkeypatch, capsys, tiny_folder):
+    monkeypatch.delattr("os.sched_setaffinity", raising=False)
+    assert main(["generate", "x", "--cpu-threads", "1", "--model", tiny_folder]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("sfjax generate: error: --cpu-threads: cpu_threads: this platform can't set "
+                   "thread affinity (Linux only)")
+
+
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as e:

@@ -189,6 +189,7 @@ def test_bad_request_ids(llm):
     (dict(enable_prefix_caching="no"), InvalidType, "enable_prefix_caching"),
     (dict(kv_cache_bytes=0), ValueError, "kv_cache_bytes"),
     (dict(attention="fast"), ValueError, "attention = 'fast'"),
+    (dict(sampler="bogus"), ValueError, "EngineConfig.sampler = 'bogus': must be one of 'auto'"),
     (dict(matmul="cublas"), ValueError, "EngineConfig.matmul = 'cublas': must be one of None, 'auto', 'interpret'"),
     (dict(dtype="int8"), ValueError, "dtype = 'int8'"),
     (dict(compiler_options={"xla_no_such_option": 1}), ValueError,

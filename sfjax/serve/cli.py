@@ -30,7 +30,7 @@ _SERVE_OPTIONS = (     # flag, type, default, help
 def add_parser(sub, common) -> None:
     """``sfjax serve [MODEL] [--host] [--port] ...`` with ``common``'s engine flags."""
     s = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming)",
-                       description="Serves MODEL (an HF folder; default: the embedded pair, "
+                       description="Serves MODEL (an HF folder; default: the embedded target, "
                                    "speculating with its n-gram table, k = 3) over HTTP with "
                                    "OpenAI's API: /v1/completions, /v1/chat/completions, "
                                    "/v1/models, /health, /metrics, /tokenize, /detokenize.")
