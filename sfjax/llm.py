@@ -87,8 +87,6 @@ class LLM:
         C.one_of("dtype", dtype, DTYPES)
         tp = C.integer("tensor_parallel_size", tensor_parallel_size, 1)
         dp = C.integer("data_parallel_size", data_parallel_size, 1)
-        if max_num_batched_tokens is None and isinstance(max_num_seqs, int):
-            max_num_batched_tokens = max(512, max_num_seqs)
         config = EngineConfig(          # checked before anything is loaded
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -213,6 +213,17 @@ def test_bad_engine_settings_are_refused_before_loading(tiny_folder, kwargs, err
         LLM(**kwargs)
 
 
+def test_the_token_budget_defaults_to_at_least_the_slots():
+    """``max_num_batched_tokens`` None is max(512, max_num_seqs), for ``LLM`` and a bare
+    ``EngineConfig`` alike (a step must hold one token of every slot)."""
+    from sfjax.engine.engine import EngineConfig
+    assert EngineConfig().max_num_batched_tokens == 512
+    assert EngineConfig(max_num_seqs=1000).max_num_batched_tokens == 1000
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens = 4 is out of range: must be "
+                                         r"an int >= max_num_seqs \(8\)"):
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=4)
+
+
 # -- one request's failure -------------------------------------------------------------------
 
 class Hostile(SamplingParams):

@@ -55,7 +55,7 @@ class EngineConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # by this many bytes of pages per device
     max_model_len: int | None = None       # None: the model's max_position_embeddings
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None  # None: max(512, max_num_seqs)
     row_tile: int = 8                      # rows per tile of every op; fixed => row-invariant bits
     sampler: str = "auto"                  # pallas_kernels.sampling.sample impl
     attention: str = "auto"                # pallas_kernels.paged_attention.paged_attention impl
@@ -83,6 +83,8 @@ class EngineConfig:
         C.integer(f("kv_cache_bytes"), self.kv_cache_bytes, 1)
         C.integer(f("max_model_len"), self.max_model_len, 2, optional=True)
         C.integer(f("max_num_seqs"), self.max_num_seqs, 1)
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", max(512, self.max_num_seqs))
         C.integer(f("max_num_batched_tokens"), self.max_num_batched_tokens, self.max_num_seqs,
                   allowed=f"an int >= max_num_seqs ({self.max_num_seqs})")
         C.boolean(f("enable_prefix_caching"), self.enable_prefix_caching)
