@@ -143,11 +143,14 @@ def test_truncate_at_stops():
     assert n.tolist() == [2, 4, 2, 2]
 
 
-@pytest.mark.parametrize("n_min, n_max", [(1, 1), (1, 3), (2, 4)])
-def test_ngram_proposer_matches_a_brute_force_lookup(n_min, n_max):
+@pytest.mark.parametrize("n_min, n_max, vocab", [(1, 1, 5), (1, 3, 5), (2, 4, 5), (1, 17, 2),
+                                                 (3, 64, 2), (1, 1000, 2)])
+def test_ngram_proposer_matches_a_brute_force_lookup(n_min, n_max, vocab):
+    """Beside small n_max, ones past the unrolled 16 and past the history's width (the loop's
+    body is one; vocabulary 2 makes long matches common)."""
     rng = np.random.default_rng(n_max)
     width, k = 40, 4
-    hist = rng.integers(0, 5, (6, width)).astype(np.int32)
+    hist = rng.integers(0, vocab, (6, width)).astype(np.int32)
     length = rng.integers(3, width, 6).astype(np.int32)
     drafts, avail = map(np.asarray, proposers.ngram(jnp.asarray(hist), jnp.arange(6), jnp.asarray(length),
                                                     k, n_min, n_max))

@@ -42,17 +42,24 @@ def ngram(history, slots, length, k: int, n_min: int, n_max: int, table: T.Ngram
     """
     hist = history[jnp.maximum(slots, 0)]                       # [S, L]
     s, width = hist.shape
-    p = jnp.arange(width)[None, :]                               # candidate match starts
-    best_start = jnp.full((s,), -1, jnp.int32)
-    for n in range(n_min, n_max + 1):                            # longer matches overwrite
-        suffix_at = length - n                                   # [S]
-        match = (p + n <= length[:, None] - 1) & (suffix_at[:, None] >= 0)
-        for i in range(n):
-            here = jnp.take_along_axis(hist, jnp.minimum(p + i, width - 1), axis=1)
-            there = jnp.take_along_axis(hist, jnp.maximum(suffix_at + i, 0)[:, None], axis=1)
-            match &= here == there
-        latest = jnp.max(jnp.where(match, p, -1), axis=1)
-        best_start = jnp.where(latest >= 0, latest + n, best_start)  # first token after the match
+    e = jnp.arange(width)[None, :]                               # candidate ends of a match
+    last = length[:, None] - 1
+    n = min(n_max, width)
+    padded = jnp.concatenate([jnp.zeros((s, n), hist.dtype), hist], axis=1)
+
+    def back(i, carry):   # extend every candidate's match back by one token, where it holds
+        run, m = carry
+        here = lax.dynamic_slice_in_dim(padded, n - i, width, axis=1)      # token e - i
+        there = jnp.take_along_axis(hist, jnp.maximum(last - i, 0), axis=1)
+        run &= (e >= i) & (last >= i) & (here == there)
+        return run, m + run
+
+    # m[e]: how many tokens ending at e (e before the last token; at most n_max) equal the row's
+    # last tokens, in order: linear in n_max (a loop past 16, so any n_max compiles in one body)
+    _, m = lax.fori_loop(0, n, back, (e < last, jnp.zeros(hist.shape, jnp.int32)), unroll=n <= 16)
+    longest = jnp.max(m, axis=1)                                 # the longest suffix that recurs
+    latest = jnp.max(jnp.where(m >= longest[:, None], e, -1), axis=1)   # its latest occurrence
+    best_start = jnp.where(longest >= n_min, latest + 1, -1)     # the first token after it
     idx = jnp.clip(best_start[:, None] + jnp.arange(k)[None, :], 0, width - 1)
     drafts = jnp.take_along_axis(hist, idx, axis=1)
     available = jnp.where(best_start >= 0, jnp.clip(length - best_start, 0, k), 0)
