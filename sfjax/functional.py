@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sfjax import model, rows, sampling_params, sharding
+from sfjax import checks as C, model, rows, sampling_params, sharding
 from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.sampling import Draws, Sampling
@@ -171,7 +171,25 @@ def prefill(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg
     return _prefill(w, dw, prompt_ids, prompt_lens, sampling, cfg)
 
 
+def _rows_agree(prompt_ids, prompt_lens, sampling: Sampling) -> None:
+    """One row of ``prompt_lens`` and of every ``sampling`` field per prompt row (a gather
+    past a table's last row would silently take that row's settings); ValueError naming the
+    first that differs."""
+    if not isinstance(sampling, Sampling):
+        raise C.InvalidType(f"sampling: must be a functional.Sampling, got {type(sampling).__name__}")
+    if jnp.ndim(prompt_ids) != 2:
+        raise ValueError(f"prompt_ids: must be int [B, P], got shape {jnp.shape(prompt_ids)}")
+    s = jnp.shape(prompt_ids)[0]
+    fields = [("prompt_lens", prompt_lens)] + [(f"sampling.{f.name}", getattr(sampling, f.name))
+                                               for f in dataclasses.fields(sampling)]
+    for name, x in fields:
+        if jnp.ndim(x) == 0 or jnp.shape(x)[0] != s:
+            raise ValueError(f"{name}: shape {jnp.shape(x)} has {jnp.shape(x)[0] if jnp.ndim(x) else 'no'} "
+                             f"rows; prompt_ids has {s} (one per prompt row)")
+
+
 def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) -> State:
+    _rows_agree(prompt_ids, prompt_lens, sampling)
     s, p = prompt_ids.shape
     if p >= cfg.max_model_len:
         raise ValueError(f"prompt_ids: width {p} leaves no room for output under max_model_len "

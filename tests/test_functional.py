@@ -191,6 +191,24 @@ def test_weights_are_checked_against_the_config(pair):
         trace(w, None)
 
 
+def test_prompt_rows_and_sampling_rows_must_agree(pair):
+    """A sampling table or prompt_lens with other than one row per prompt row is refused at
+    trace time, naming the field (a gather past the table's end took its last row's settings)."""
+    cfg = F.Config(pair["cfg"], MAX_LEN)
+    ids, lens = F.pad_prompts(_prompts(0, 3))
+    trace = lambda l, sp: jax.eval_shape(lambda w: F.generate(w, ids, l, sp, cfg), pair["weights"])
+    two = F.Sampling.from_params(_params(0)[:2], eos_token_ids=())
+    with pytest.raises(ValueError, match=r"^sampling\.temperature: shape \(2,\) has 2 rows; "
+                                         r"prompt_ids has 3 \(one per prompt row\)"):
+        trace(lens, two)
+    three = F.Sampling.from_params(_params(0)[:3], eos_token_ids=())
+    with pytest.raises(ValueError, match=r"^prompt_lens: shape \(4,\) has 4 rows"):
+        trace(np.append(lens, 1), three)
+    with pytest.raises(TypeError, match="sampling: must be a functional.Sampling, got dict"):
+        trace(lens, {})
+    jax.eval_shape(lambda w: F.prefill(w, ids, lens, three, cfg), pair["weights"])   # agrees
+
+
 def test_sampling_params_the_functional_path_cannot_honour_are_refused():
     for bad in (dict(stop=["x"]), dict(logprobs=2), dict(disable_spec_decode=True)):
         with pytest.raises(ValueError, match="not offered by sfjax.functional"):
