@@ -32,9 +32,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields OpenAI or vLLM define that change what comes back and sfjax does not offer, with the
+# values that ask for nothing (a field these allow, or one no table names, is ignored):
+# anything else is a 400 naming the field, not an answer that quietly ignores it.
+_NOT_OFFERED = {
+    "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,),
+    "use_beam_search": (None, False), "prompt_logprobs": (None,), "bad_words": (None, []),
+    "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
+}
+
+
 class _SamplingRequest(BaseModel):
-    """Fields shared by completions and chat: OpenAI's, then vLLM's extras, then sfjax's."""
-    model_config = ConfigDict(extra="ignore")
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras, then sfjax's;
+    others are kept aside (``model_extra``) for ``_NOT_OFFERED``."""
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -114,6 +129,11 @@ def error_param(message: str, renames: dict[str, str]) -> str | None:
 def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
                     renames: dict[str, str]) -> SamplingParams:
     """The request's SamplingParams; a refused value raises APIError(400) naming its field."""
+    for field, value in (req.model_extra or {}).items():
+        if field in _NOT_OFFERED and value not in _NOT_OFFERED[field]:
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise APIError(f"{field} = {shown} is not offered (sfjax allows "
+                           f"{' or '.join(map(repr, _NOT_OFFERED[field]))})", field)
     if req.n != 1:
         raise APIError(f"n = {req.n}: only n = 1 is offered", "n")
     try:
