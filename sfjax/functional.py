@@ -68,9 +68,10 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int | None = None,
     """(ids int32 [batch, length], lengths int32 [batch]) on the host. ``length`` defaults to the
     smallest power of two >= 8 holding the longest prompt, so similar batches share one bucket;
     rows past the prompts (up to ``batch``) are empty."""
-    batch = batch or len(prompts)
+    batch = len(prompts) if batch is None else C.integer("batch", batch, 1)
     need = max(map(len, prompts), default=1)
-    length = length or max(8, 1 << (need - 1).bit_length())
+    length = (max(8, 1 << (need - 1).bit_length()) if length is None
+              else C.integer("length", length, 1))
     if need > length or len(prompts) > batch:
         raise ValueError(f"prompts: {len(prompts)} of up to {need} tokens don't fit [{batch}, {length}]")
     ids = np.zeros((batch, length), np.int32)
@@ -179,7 +180,14 @@ def _rows_agree(prompt_ids, prompt_lens, sampling: Sampling) -> None:
         raise C.InvalidType(f"sampling: must be a functional.Sampling, got {type(sampling).__name__}")
     if jnp.ndim(prompt_ids) != 2:
         raise ValueError(f"prompt_ids: must be int [B, P], got shape {jnp.shape(prompt_ids)}")
-    s = jnp.shape(prompt_ids)[0]
+    for name, x in (("prompt_ids", prompt_ids), ("prompt_lens", prompt_lens)):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise C.InvalidType(f"{name}: dtype {jnp.result_type(x)} must be an integer type")
+    s, p = jnp.shape(prompt_ids)
+    if not isinstance(prompt_lens, jax.core.Tracer):       # known here: checked here
+        lens = np.asarray(prompt_lens)
+        if lens.size and not (lens.min() >= 0 and lens.max() <= p):
+            raise ValueError(f"prompt_lens: {lens.tolist()} must lie in [0, {p}] (prompt_ids' width)")
     fields = [("prompt_lens", prompt_lens)] + [(f"sampling.{f.name}", getattr(sampling, f.name))
                                                for f in dataclasses.fields(sampling)]
     for name, x in fields:
@@ -528,4 +536,5 @@ def generate(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cf
     w, dw = _weights(weights, draft_weights, cfg)
     state = _prefill(w, dw, prompt_ids, prompt_lens, sampling, cfg)
     state = lax.while_loop(lambda st: jnp.any(~st.done), lambda st: _round(w, dw, st, cfg), state)
-    return outputs(state, width or cfg.max_model_len - prompt_ids.shape[1])
+    width = cfg.max_model_len - prompt_ids.shape[1] if width is None else C.integer("width", width, 0)
+    return outputs(state, width)

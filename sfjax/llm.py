@@ -46,7 +46,10 @@ def _load_draft(spec: SpeculativeConfig | None, target: ModelConfig, dtype: str)
         raise ValueError(f"speculative_config.model: {path!r} is not a folder")
     if spec.method == "eagle3":
         return eagle.load(path, target)
-    cfg = ModelConfig.from_folder(path, dtype)
+    try:
+        cfg = ModelConfig.from_folder(path, dtype)
+    except ValueError as e:          # e.g. an EAGLE head's folder given as a draft model
+        raise ValueError(f"speculative_config.model: {path!r}: {e}") from None
     return cfg, load(path, cfg)
 
 
@@ -102,6 +105,10 @@ class LLM:
             raise ValueError("speculative_config.method = 'eagle3' runs on one device: "
                              "tensor_parallel_size and data_parallel_size must be 1")
         mesh = _mesh(tp, dp, mesh)
+        draft_tp, target_tp = spec and spec.draft_tensor_parallel_size, sharding.tp_of(mesh) if mesh else 1
+        if draft_tp and target_tp % draft_tp:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size ({draft_tp}) must "
+                             f"divide the target's tensor_parallel_size ({target_tp})")
         self.model_path = model
         self.model_config = ModelConfig.from_folder(model, dtype)
         self.tokenizer = load_tokenizer(tokenizer or model)

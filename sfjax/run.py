@@ -97,9 +97,14 @@ class RunConfig:
             spec = SpeculativeConfig.from_dict(spec)
             if isinstance(spec.model, (str, os.PathLike)):
                 folder = os.fspath(spec.model)
-                spec = dataclasses.replace(spec, model=eagle.HeadConfig.from_hf_config(
-                    read_json(os.path.join(folder, "config.json")), self.model)
-                    if spec.method == "eagle3" else ModelConfig.from_folder(folder))
+                try:
+                    spec = dataclasses.replace(spec, model=eagle.HeadConfig.from_hf_config(
+                        read_json(os.path.join(folder, "config.json")), self.model)
+                        if spec.method == "eagle3" else ModelConfig.from_folder(folder))
+                except ValueError as e:
+                    if str(e).startswith("speculative_config"):
+                        raise
+                    raise ValueError(f"speculative_config.model: {folder!r}: {e}") from None
             if spec.method == "eagle3" and self.mesh is not None:
                 raise ValueError("speculative_config.method = 'eagle3' runs on one device: "
                                  "RunConfig.mesh must be None (tensor and data parallelism "

@@ -101,6 +101,7 @@ class Sampling(_Filters):
                     raise ValueError(f"SamplingParams.{name}: not offered by sfjax.functional")
             if p.seed is None and p.temperature > 0:
                 raise ValueError("SamplingParams.seed: sampled rows need a seed in sfjax.functional")
+            p.check_draws(eos_token_ids)
         return cls.placed(params, [request_key_data(p.seed or 0) for p in params],
                           [p.max_tokens or INT32_MAX for p in params],
                           eos_token_ids=eos_token_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from sfjax import checks as C
 
@@ -138,7 +139,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate_for(self, vocab_size: int) -> None:
+    def validate_for(self, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
         """Checks what depends on the model; raises ValueError naming the field. A top_k of at
         least the vocabulary keeps every token: it becomes 0 (off)."""
         if self.top_k >= vocab_size:
@@ -148,6 +149,17 @@ class SamplingParams:
         ids += [("allowed_token_ids", t) for t in self.allowed_token_ids or []]
         for field, t in ids:
             _check(0 <= t < vocab_size, field, t, f"token ids in [0, {vocab_size})")
+        self.check_draws(eos_token_ids)
+
+    def check_draws(self, eos_token_ids: Sequence[int]) -> None:
+        """Some token can be drawn at every position: while ``min_tokens`` holds the stop ids
+        (``stop_token_ids``, and ``eos_token_ids`` unless ``ignore_eos``) back, not every allowed
+        token may be one (every logit would be masked, and the draw would be no allowed token)."""
+        stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+        if self.min_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= stops:
+            raise ValueError(f"SamplingParams.min_tokens = {self.min_tokens} is out of range: every "
+                             f"allowed_token_ids entry is a stop token, so none could be drawn "
+                             f"before min_tokens; must be 0 here")
 
 
 def _check(ok: bool, field: str, value, allowed: str) -> None:

@@ -206,7 +206,15 @@ def test_prompt_rows_and_sampling_rows_must_agree(pair):
         trace(np.append(lens, 1), three)
     with pytest.raises(TypeError, match="sampling: must be a functional.Sampling, got dict"):
         trace(lens, {})
+    with pytest.raises(ValueError, match=r"^prompt_lens: \[.*\] must lie in \[0, 16\]"):
+        trace(np.array([3, 17, 2], np.int32), three)
+    with pytest.raises(TypeError, match="^prompt_ids: dtype float32 must be an integer type"):
+        jax.eval_shape(lambda w: F.generate(w, ids.astype(np.float32), lens, three, cfg), pair["weights"])
+    with pytest.raises(ValueError, match="length = 0"):
+        F.pad_prompts(_prompts(0, 3), length=0)
     jax.eval_shape(lambda w: F.prefill(w, ids, lens, three, cfg), pair["weights"])   # agrees
+    assert jax.eval_shape(lambda w: F.generate(w, ids, lens, three, cfg, width=0),
+                          pair["weights"]).token_ids.shape == (3, 0)
 
 
 def test_sampling_params_the_functional_path_cannot_honour_are_refused():

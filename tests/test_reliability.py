@@ -139,6 +139,31 @@ def test_the_engine_keeps_its_own_copy_of_the_params(llm):
     assert _drain(llm.engine)["copied"].outputs[0].token_ids == ref[0]
 
 
+def test_allowed_tokens_that_are_all_stops_under_min_tokens_are_refused(llm):
+    """Every allowed token held back by min_tokens would leave no token to draw (the draw gave
+    id 0, which allowed_token_ids excludes): refused at admission, here and in sfjax.functional;
+    with ignore_eos the EOS id is no stop, and without min_tokens the stop may come first."""
+    from sfjax import functional as F
+    eos = sorted(llm.engine.eos_token_ids)
+    bad = [dict(stop_token_ids=[7], allowed_token_ids=[7], min_tokens=3),
+           dict(allowed_token_ids=eos, min_tokens=1)]
+    for kw in bad:
+        params = SamplingParams(temperature=0, max_tokens=4, **kw)
+        with pytest.raises(ValueError, match=r"^prompt 0: SamplingParams\.min_tokens = \d is out of "
+                                             r"range: every allowed_token_ids entry is a stop token"):
+            llm.generate("x", params, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"^SamplingParams\.min_tokens = \d is out of range"):
+            F.Sampling.from_params(params, eos_token_ids=eos)
+    fine = [dict(allowed_token_ids=eos, min_tokens=2, ignore_eos=True),
+            dict(stop_token_ids=[7], allowed_token_ids=[7, 9], min_tokens=2),
+            dict(stop_token_ids=[7], allowed_token_ids=[7])]
+    outs = llm.generate(["x"] * 3, [SamplingParams(temperature=0, max_tokens=4, **kw) for kw in fine],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == eos[:1] * 4
+    assert outs[1].outputs[0].token_ids[:2] == [9, 9]
+    assert outs[2].outputs[0].token_ids == [7] and outs[2].outputs[0].finish_reason == "stop"
+
+
 def test_top_k_at_least_the_vocabulary_is_off(llm):
     prompts = _prompts(3, seed=4)
     off = _ids(llm.generate(prompts, SamplingParams(temperature=0.8, seed=5, max_tokens=10,
@@ -206,11 +231,28 @@ def test_bad_request_ids(llm):
                               "posterior_alpha": math.nan}), ValueError, "posterior_alpha = nan"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                               "max_model_len": 0}), ValueError, r"speculative_config\.max_model_len"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "model": "x"}),
+     ValueError, r"speculative_config\.model: method 'ngram' drafts from the sequence"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                              "draft_tensor_parallel_size": 1}), ValueError,
+     r"speculative_config\.draft_tensor_parallel_size is for method 'draft_model', not 'ngram'"),
+    (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "x",
+                              "draft_tensor_parallel_size": 2}), ValueError,
+     r"speculative_config\.draft_tensor_parallel_size \(2\) must divide the target's "
+     r"tensor_parallel_size \(1\)"),
 ])
 def test_bad_engine_settings_are_refused_before_loading(tiny_folder, kwargs, error, match):
     kwargs = {"model": tiny_folder, **kwargs}
     with pytest.raises(error, match=match):
         LLM(**kwargs)
+
+
+def test_a_head_folder_given_as_a_draft_model_is_named(tiny_folder):
+    from sfjax.default_model import default_eagle_path
+    with pytest.raises(ValueError, match=r"^speculative_config\.model: '.*eagle3': unsupported "
+                                         r"architecture \['LlamaForCausalLMEagle3'\]"):
+        LLM(tiny_folder, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                             "model": default_eagle_path()})
 
 
 def test_the_token_budget_defaults_to_at_least_the_slots():

@@ -282,7 +282,7 @@ class Engine:
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty (it has no tokens)")
-        params.validate_for(self.cfg.vocab_size)
+        params.validate_for(self.cfg.vocab_size, self.eos_token_ids)
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit}, which leaves no "
