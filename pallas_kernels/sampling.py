@@ -220,7 +220,7 @@ IMPLS = ("auto", "reference", "interpret", "triton", "mosaic_tpu")
 
 def _impl(impl: str, what: str) -> str:
     if impl not in IMPLS:
-        raise ValueError(f"{what} impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+        raise ValueError(f"{what} impl must be {', '.join(IMPLS[:-1])} or {IMPLS[-1]}; got {impl!r}")
     if impl == "auto":
         impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend(), "reference")
     return impl
