@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 limit_cpu_threads(args.cpu_threads)
             except RuntimeError as e:       # a platform without thread affinity (not Linux)
-                raise ValueError(f"--cpu-threads: {e}") from None
+                raise ValueError(f"--cpu-threads {args.cpu_threads}: {str(e).split(': ', 1)[-1]}") from None
         return args.run(args)
     except (ValueError, OSError) as e:   # JSONDecodeError and checks.InvalidType are ValueErrors
         print(f"sfjax {args.command}: error: {_one_line(e)}", file=sys.stderr)

@@ -178,22 +178,24 @@ def _rows_agree(prompt_ids, prompt_lens, sampling: Sampling) -> None:
     first that differs."""
     if not isinstance(sampling, Sampling):
         raise C.InvalidType(f"sampling: must be a functional.Sampling, got {type(sampling).__name__}")
-    if jnp.ndim(prompt_ids) != 2:
-        raise ValueError(f"prompt_ids: must be int [B, P], got shape {jnp.shape(prompt_ids)}")
+    if np.ndim(prompt_ids) != 2:
+        raise ValueError(f"prompt_ids: must be int [B, P], got shape {np.shape(prompt_ids)}")
     for name, x in (("prompt_ids", prompt_ids), ("prompt_lens", prompt_lens)):
-        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise C.InvalidType(f"{name}: dtype {jnp.result_type(x)} must be an integer type")
-    s, p = jnp.shape(prompt_ids)
-    if not isinstance(prompt_lens, jax.core.Tracer):       # known here: checked here
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise C.InvalidType(f"{name}: dtype {dtype} must be an integer type")
+    s, p = np.shape(prompt_ids)
+    if isinstance(prompt_lens, (np.ndarray, list, tuple)):   # on the host: checked here
         lens = np.asarray(prompt_lens)
         if lens.size and not (lens.min() >= 0 and lens.max() <= p):
             raise ValueError(f"prompt_lens: {lens.tolist()} must lie in [0, {p}] (prompt_ids' width)")
     fields = [("prompt_lens", prompt_lens)] + [(f"sampling.{f.name}", getattr(sampling, f.name))
                                                for f in dataclasses.fields(sampling)]
     for name, x in fields:
-        if jnp.ndim(x) == 0 or jnp.shape(x)[0] != s:
-            raise ValueError(f"{name}: shape {jnp.shape(x)} has {jnp.shape(x)[0] if jnp.ndim(x) else 'no'} "
-                             f"rows; prompt_ids has {s} (one per prompt row)")
+        shape = np.shape(x)
+        if not shape or shape[0] != s:
+            raise ValueError(f"{name}: shape {shape} has {shape[0] if shape else 'no'} rows; "
+                             f"prompt_ids has {s} (one per prompt row)")
 
 
 def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) -> State:

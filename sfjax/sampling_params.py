@@ -155,8 +155,11 @@ class SamplingParams:
         """Some token can be drawn at every position: while ``min_tokens`` holds the stop ids
         (``stop_token_ids``, and ``eos_token_ids`` unless ``ignore_eos``) back, not every allowed
         token may be one (every logit would be masked, and the draw would be no allowed token)."""
-        stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
-        if self.min_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= stops:
+        if not (self.min_tokens and self.allowed_token_ids):
+            return
+        stops = set(self.stop_token_ids) | (set() if self.ignore_eos else
+                                            {int(t) for t in eos_token_ids})
+        if set(self.allowed_token_ids) <= stops:
             raise ValueError(f"SamplingParams.min_tokens = {self.min_tokens} is out of range: every "
                              f"allowed_token_ids entry is a stop token, so none could be drawn "
                              f"before min_tokens; must be 0 here")

@@ -96,8 +96,8 @@ def test_cpu_threads_off_linux_is_a_one_line_error(monkeypatch, capsys, tiny_fol
     monkeypatch.delattr("os.sched_setaffinity", raising=False)
     assert main(["generate", "x", "--cpu-threads", "1", "--model", tiny_folder]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("sfjax generate: error: --cpu-threads: cpu_threads: this platform can't set "
-                   "thread affinity (Linux only)")
+    assert err == ("sfjax generate: error: --cpu-threads 1: this platform can't set thread "
+                   "affinity (Linux only)")
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])

@@ -213,6 +213,8 @@ def test_prompt_rows_and_sampling_rows_must_agree(pair):
     with pytest.raises(ValueError, match="length = 0"):
         F.pad_prompts(_prompts(0, 3), length=0)
     jax.eval_shape(lambda w: F.prefill(w, ids, lens, three, cfg), pair["weights"])   # agrees
+    jax.eval_shape(lambda w: F.prefill(w, ids, lens.tolist(), three, cfg), pair["weights"])
+    F.Sampling.from_params(_params(0)[:1], eos_token_ids=jnp.array([2]))     # ids as an array
     assert jax.eval_shape(lambda w: F.generate(w, ids, lens, three, cfg, width=0),
                           pair["weights"]).token_ids.shape == (3, 0)
 

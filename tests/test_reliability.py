@@ -234,8 +234,9 @@ def test_bad_request_ids(llm):
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "model": "x"}),
      ValueError, r"speculative_config\.model: method 'ngram' drafts from the sequence"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                              "draft_tensor_parallel_size": 1}), ValueError,
-     r"speculative_config\.draft_tensor_parallel_size is for method 'draft_model', not 'ngram'"),
+                              "draft_tensor_parallel_size": 2}), ValueError,
+     r"speculative_config\.draft_tensor_parallel_size = 2: only method 'draft_model' shards its "
+     r"drafter; must be 1 or None for 'ngram'"),
     (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "x",
                               "draft_tensor_parallel_size": 2}), ValueError,
      r"speculative_config\.draft_tensor_parallel_size \(2\) must divide the target's "

@@ -259,6 +259,7 @@ def test_other_bad_requests_get_400(client, server):
     cases += [   # asked-for behaviour sfjax does not offer: refused, not quietly ignored
         (lambda: chat(response_format={"type": "json_object"}), "response_format"),
         (lambda: chat(tool_choice="required"), "tool_choice"),
+        (lambda: chat(extra_body={"chat_template": "{{ messages }}"}), "chat_template"),
         (lambda: client.completions.create(model=MODEL, prompt="x", extra_body={
             "guided_json": {"type": "object"}}), "guided_json"),
         (lambda: client.completions.create(model=MODEL, prompt="x", extra_body={
@@ -269,8 +270,9 @@ def test_other_bad_requests_get_400(client, server):
             call()
         assert e.value.body["param"] == param, e.value.body
     # what asks for nothing passes: text format, no tool choice, unknown fields
-    assert chat(response_format={"type": "text"}, tool_choice="none",
-                extra_body={"metadata_of_mine": 1}).choices[0].message.content is not None
+    for kw in (dict(response_format={"type": "text"}, tool_choice="none"),
+               dict(tool_choice="auto", user="u", extra_body={"metadata_of_mine": 1})):
+        assert chat(**kw).choices[0].message.content is not None
     for body in (b'{"prompt": "x"', b"[1, 2", b"not json"):
         r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=10)
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]

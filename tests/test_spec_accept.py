@@ -147,15 +147,18 @@ def test_truncate_at_stops():
                                                  (3, 64, 2), (1, 1000, 2)])
 def test_ngram_proposer_matches_a_brute_force_lookup(n_min, n_max, vocab):
     """Beside small n_max, ones past the unrolled 16 and past the history's width (the loop's
-    body is one; vocabulary 2 makes long matches common)."""
+    body is one; vocabulary 2 makes long matches common); lengths 0, 1, 2 and the whole width
+    among them, rows read from other slots, and tokens past a row's length never read."""
     rng = np.random.default_rng(n_max)
-    width, k = 40, 4
-    hist = rng.integers(0, vocab, (6, width)).astype(np.int32)
-    length = rng.integers(3, width, 6).astype(np.int32)
-    drafts, avail = map(np.asarray, proposers.ngram(jnp.asarray(hist), jnp.arange(6), jnp.asarray(length),
-                                                    k, n_min, n_max))
-    for s in range(6):
-        h, L = list(hist[s, :length[s]]), length[s]
+    width, k, rows = 40, 4, 12
+    hist = rng.integers(0, vocab, (rows, width)).astype(np.int32)
+    length = np.concatenate([[0, 1, 2, width], rng.integers(3, width, rows - 4)]).astype(np.int32)
+    slots = rng.permutation(rows).astype(np.int32)
+    garbage = np.where(np.arange(width)[None, :] >= length[np.argsort(slots)][:, None], 99, hist)
+    drafts, avail = map(np.asarray, proposers.ngram(jnp.asarray(garbage), jnp.asarray(slots),
+                                                    jnp.asarray(length), k, n_min, n_max))
+    for s in range(rows):
+        h, L = list(garbage[slots[s], :length[s]]), length[s]
         start = -1
         for n in range(n_max, n_min - 1, -1):
             if n > L - 1:

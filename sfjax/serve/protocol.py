@@ -3,6 +3,7 @@ and error shapes (OpenAI's, with vLLM's extra fields where vLLM has them)."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any, Literal
@@ -43,6 +44,9 @@ _NOT_OFFERED = {
     "guided_grammar": (None,), "structured_outputs": (None,),
     "use_beam_search": (None, False), "prompt_logprobs": (None,), "bad_words": (None, []),
     "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
+    "guided_decoding_backend": (None,), "echo": (None, False),     # chat's echo (completions': its own)
+    "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
 }
 
 
@@ -131,9 +135,10 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
     """The request's SamplingParams; a refused value raises APIError(400) naming its field."""
     for field, value in (req.model_extra or {}).items():
         if field in _NOT_OFFERED and value not in _NOT_OFFERED[field]:
-            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise APIError(f"{field} = {shown} is not offered (sfjax allows "
-                           f"{' or '.join(map(repr, _NOT_OFFERED[field]))})", field)
+                           f"{' or '.join(map(json.dumps, _NOT_OFFERED[field]))})", field)
     if req.n != 1:
         raise APIError(f"n = {req.n}: only n = 1 is offered", "n")
     try:

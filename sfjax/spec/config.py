@@ -94,9 +94,10 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model: method 'ngram' drafts from the sequence "
                              "(and prompt_lookup_table), not from a model")
-        if self.draft_tensor_parallel_size is not None and self.method != "draft_model":
-            raise ValueError(f"speculative_config.draft_tensor_parallel_size is for method "
-                             f"'draft_model', not {self.method!r}")
+        if self.draft_tensor_parallel_size not in (None, 1) and self.method != "draft_model":
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size = "
+                             f"{self.draft_tensor_parallel_size!r}: only method 'draft_model' shards "
+                             f"its drafter; must be 1 or None for {self.method!r}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike, ModelConfig,
                                                                   HeadConfig)):
             raise C.InvalidType(f"speculative_config.model = {self.model!r}: must be a folder path "
