@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import threading
@@ -47,6 +46,7 @@ class _Stream:
         self.pending: list[RequestOutput] = []
         self.event = asyncio.Event()
         self.error: BaseException | None = None
+        self.abandoned = False      # its consumer left before the finished output (``_abandon``)
 
     def put(self, out: RequestOutput) -> None:
         self.pending.append(out)
@@ -61,7 +61,8 @@ class _Stream:
         if self.error is not None and not self.pending:
             raise self.error
         outs, self.pending = self.pending, []
-        self.event.clear()
+        if self.error is None:          # else the next get raises it at once
+            self.event.clear()
         return merge_outputs(outs)[0]       # all of one request
 
 
@@ -141,10 +142,14 @@ class AsyncLLM:
                 finished = out.finished
                 yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                with contextlib.suppress(EngineClosed):      # a stopped engine holds nothing
-                    self._submit(lambda: self._abort(request_id))
+            if finished:
+                self._streams.pop(request_id, None)
+            else:   # the id stays taken until the engine has let go of it (``_abandon``)
+                stream.abandoned = True
+                try:
+                    self._submit(lambda: self._abandon(request_id, stream))
+                except EngineClosed:                          # a stopped engine holds nothing
+                    self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a live request: its consumer gets a last output with finish_reason "abort"."""
@@ -205,6 +210,15 @@ class AsyncLLM:
         # (refused at admission, or already finished and reported) is ignored by the engine.
         self.engine.abort(request_id)
 
+    def _abandon(self, request_id: str, stream: _Stream) -> None:
+        """Its consumer left: abort the request; its stream stays registered until the engine's
+        final output for it has come (``_deliver`` drops it then), so a new request reusing the
+        id can't receive this one's last output. If the engine no longer holds the id (refused,
+        cancelled before admission, or finished), the stream goes now."""
+        self.engine.abort(request_id)
+        if not self.engine.holds(request_id) and self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+
     def _run(self) -> None:
         try:
             while True:
@@ -256,7 +270,10 @@ class AsyncLLM:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
+            if stream is not None and stream.abandoned:     # no one reads it: the id is free
+                if out.finished:
+                    del self._streams[out.request_id]
+            elif stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             try:

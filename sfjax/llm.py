@@ -168,7 +168,7 @@ class LLM:
         while True:
             rid = str(self._next_id)
             self._next_id += 1
-            if rid not in self.engine.requests and rid not in self.engine._held:
+            if not self.engine.holds(rid):
                 return rid
 
     def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
@@ -180,21 +180,25 @@ class LLM:
         bar = tqdm(total=sum(budget.values()), desc="Generating", unit="tok", dynamic_ncols=True,
                    disable=not use_tqdm)
         start, n_in = time.monotonic(), 0
-        while pending:
-            outs = self.engine.step()
-            self.engine.put_back([o for o in outs if o.request_id not in pending])
-            for out in outs:
-                if out.request_id not in pending:
-                    continue
-                bar.update(len(out.new_token_ids))
-                if out.finished:
-                    pending.discard(out.request_id)
-                    done[out.request_id] = out
-                    n_in += len(out.prompt_token_ids)
-                    bar.update(budget[out.request_id] - len(out.outputs[0].token_ids))
-            if not bar.disable:
-                bar.set_postfix_str(self._postfix(len(done), len(ids), n_in, start))
-        bar.close()
+        try:
+            while pending:
+                outs = self.engine.step()
+                self.engine.put_back([o for o in outs if o.request_id not in pending])
+                for out in outs:
+                    if out.request_id not in pending:
+                        continue
+                    bar.update(len(out.new_token_ids))
+                    if out.finished:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        n_in += len(out.prompt_token_ids)
+                        bar.update(budget[out.request_id] - len(out.outputs[0].token_ids))
+                if not bar.disable:
+                    bar.set_postfix_str(self._postfix(len(done), len(ids), n_in, start))
+        finally:    # left early (Ctrl-C, an error): its requests must not run on in later calls
+            for rid in pending:
+                self.engine.drop(rid)
+            bar.close()
         return [done[i] for i in ids]
 
     def _postfix(self, finished: int, total: int, n_in: int, start: float) -> str:

@@ -157,6 +157,51 @@ def test_a_caller_leaving_before_admission_costs_no_one_else(llm):
     engine._thread.join(10)      # its exception is reported here, under this test's filter
 
 
+def test_a_reused_id_never_gets_the_last_requests_output(llm):
+    """A caller that leaves keeps its id taken until the engine has let go of it (a new request
+    under it is refused meanwhile, then runs as itself: it never receives the old request's
+    abort output, and no request is left running without a consumer)."""
+    engine = AsyncLLM.from_llm(llm)
+
+    async def main():
+        for trial in range(3):
+            g = engine.generate(PROMPTS[0], _params(0, 40), "dup")
+            await asyncio.wait_for(g.__anext__(), 60)
+            await g.aclose()                                  # leaves: the abort is queued
+            while True:
+                try:
+                    out = await asyncio.wait_for(_collect(engine, PROMPTS[1], _params(1, 5), "dup"), 60)
+                    break
+                except ValueError as e:
+                    assert "request_id 'dup' is already live" in str(e)
+                    await asyncio.sleep(0.01)
+            assert out.prompt == PROMPTS[1] and out.outputs[0].finish_reason == "length"
+            assert len(out.outputs[0].token_ids) == 5
+        await _until(lambda: _idle(engine))
+        assert "dup" not in engine.engine.requests
+
+    asyncio.run(main())
+    engine.close()
+
+
+def test_a_consumer_behind_its_outputs_sees_the_close(llm):
+    """Outputs delivered but not yet read when the engine closes come out, then EngineClosed
+    (the next read waited forever)."""
+    from sfjax.async_llm import EngineClosed
+    engine = AsyncLLM.from_llm(llm)
+
+    async def main():
+        g = engine.generate(PROMPTS[0], _params(0, 50), "slow")
+        await asyncio.wait_for(g.__anext__(), 60)
+        await _until(lambda: engine._streams["slow"].pending)    # delivered, not read
+        await asyncio.to_thread(engine.close)
+        with pytest.raises(EngineClosed):
+            for _ in range(3):
+                await asyncio.wait_for(g.__anext__(), 10)
+
+    asyncio.run(main())
+
+
 def test_app_refusals(tiny_folder, llm):
     """The tiny model has no chat template (400 naming messages); a full queue answers 503."""
     from sfjax.serve.app import build_app

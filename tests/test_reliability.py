@@ -312,6 +312,28 @@ def test_a_failing_request_ends_alone(each_path, inject):
 
 # -- the two APIs together, aborts ----------------------------------------------------------
 
+def test_an_interrupted_generate_leaves_nothing_running(llm, monkeypatch):
+    """Ctrl-C (or any error) inside generate's loop aborts its requests and forgets their
+    outputs: they held every slot in later calls, and their outputs stayed held for ever."""
+    step, calls = llm.engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(_prompts(3, seed=1), SamplingParams(temperature=0, max_tokens=30),
+                     use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+    check_idle(llm.engine)
+    out = llm.generate("x", GREEDY, use_tqdm=False)
+    assert len(out) == 1 and out[0].finished
+
+
 def test_generate_returns_its_own_and_keeps_the_others(llm):
     eng = llm.engine
     mine, theirs = _prompts(2, seed=8)

@@ -289,6 +289,14 @@ def test_models_tokenize_detokenize(client, server, offline):
     assert d["prompt"] == "def fib(n):"
     bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10**6]}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    messages = [{"role": "user", "content": "hi"}]
+    for agp in (True, False):   # the ids the chat request itself uses, generation prompt or not
+        from transformers import PreTrainedTokenizerFast
+        text = PreTrainedTokenizerFast.from_pretrained(offline.model_path).apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=agp)
+        r = httpx.post(f"{server.url}/tokenize", json={"messages": messages,
+                                                       "add_generation_prompt": agp}, timeout=10)
+        assert r.json()["tokens"] == offline.get_tokenizer().encode(text, add_special_tokens=False).ids
 
 
 def _metrics(url: str) -> dict[str, float]:

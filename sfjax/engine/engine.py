@@ -277,7 +277,7 @@ class Engine:
             raise C.InvalidType(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params = params.checked()
         request_id = C.text("request_id", request_id)
-        if request_id in self.requests or request_id in self._held:
+        if self.holds(request_id):
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         text, ids = self._tokenize(prompt)
         if not ids:
@@ -353,6 +353,17 @@ class Engine:
         if req is not None:
             self.outputs.finish(req, "abort", None)
             self._hold(self.outputs.output(req))
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the engine holds the id: a live request, or a final output not yet returned
+        by ``step`` (an id is free for a new request only once this is False)."""
+        return request_id in self.requests or request_id in self._held
+
+    def drop(self, request_id: str) -> None:
+        """Aborts the request and forgets its outputs: its caller has left, and nothing will
+        read them (``LLM.generate`` interrupted)."""
+        self.abort(request_id)
+        self._held.pop(request_id, None)
 
     def _fail(self, req: Request, error: BaseException) -> None:
         """Ends one request after a failure serving it (finish_reason "error", the error on its

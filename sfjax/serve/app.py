@@ -261,7 +261,7 @@ class Server:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            text = self.chat_template.render(req.messages)
+            text = self.chat_template.render(req.messages, req.add_generation_prompt)
             ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         else:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids

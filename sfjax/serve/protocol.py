@@ -107,6 +107,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True          # with messages: as the chat request's
 
 
 class DetokenizeRequest(BaseModel):
