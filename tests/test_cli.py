@@ -83,6 +83,13 @@ def test_bench_json_reports_acceptance(tiny_folder, capsys):
     (["generate", "x", "--compiler-options", '{"xla_no_such_option": 1}'],
      "EngineConfig.compiler_options = {'xla_no_such_option': 1}: XLA refused them"),
     (["generate", "x", "--cpu-threads", "0"], "cpu_threads: 0 is not an int in 1.."),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--request-rate", "0"],
+     "--request-rate = 0.0 is out of range: must be a number > 0.0"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--num-prompts", "0"], "--num-prompts = 0"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--max-concurrency", "0"], "--max-concurrency = 0"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--top-p", "0"], "SamplingParams.top_p = 0.0"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--compare-hf"], "--compare-hf: not with --base-url"),
+    (["bench", "--base-url", "http://127.0.0.1:1"], "--base-url http://127.0.0.1:1: ConnectError"),
 ])
 def test_errors_are_one_line_and_exit_2(argv, message, capsys, tiny_folder):
     if "--model" not in argv:

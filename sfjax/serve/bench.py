@@ -20,8 +20,8 @@ import numpy as np
 from sfjax import benchmark as B
 
 
-async def _one(client, ids: list[int], max_tokens: int, temperature: float, seed) -> dict | None:
-    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+async def _one(client, ids: list[int], max_tokens: int, sampling: dict) -> dict | None:
+    body = {"prompt": ids, "max_tokens": max_tokens, **sampling,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     start, times, tokens = time.monotonic(), [], []
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -52,7 +52,7 @@ async def _http_pass(base_url: str, work: B.Workload, args) -> dict:
 
         async def run(ids, n):
             async with gate:
-                return await _one(client, ids, n, args.temperature, args.seed)
+                return await _one(client, ids, n, _sampling(args))
 
         tasks, t0 = [], time.monotonic()
         for ids, n in zip(work.prompt_ids, work.max_tokens):
@@ -147,13 +147,39 @@ def _workload(args, base_url: str) -> B.Workload:
                              args.seed or 0)
 
 
+def _sampling(args) -> dict:
+    """The request body's sampling fields: the flags' values (vLLM's names)."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "min_p": args.min_p, "seed": args.seed}
+
+
+def _check(args) -> None:
+    """The flags --base-url runs with, refused here naming the flag (not as a traceback or a
+    silent default)."""
+    from sfjax import SamplingParams
+    from sfjax.checks import integer, real
+
+    if args.compare_hf:
+        raise ValueError("--compare-hf: not with --base-url (--compare-offline compares the "
+                         "server with an engine built here)")
+    real("--request-rate", args.request_rate, 0.0, lo_open=True, finite=False)
+    integer("--max-concurrency", args.max_concurrency, 1, optional=True)
+    integer("--num-prompts", args.num_prompts, 1, optional=True)
+    SamplingParams(**_sampling(args))      # a bad value is refused before any request
+
+
 def main(args) -> int:
     from sfjax import SamplingParams
+    import httpx
 
     import logging
     logging.getLogger("httpx").setLevel(logging.WARNING)     # not a line per request
+    _check(args)
     base_url = args.base_url.rstrip("/")
-    work = _workload(args, base_url)
+    try:
+        work = _workload(args, base_url)
+    except httpx.HTTPError as e:
+        raise ValueError(f"--base-url {base_url}: {type(e).__name__}: {e}") from None
     http = lambda: asyncio.run(_http_pass(base_url, work, args))
     passes = {"server": http}
     http()                                             # the server compiles what the run uses
@@ -161,7 +187,7 @@ def main(args) -> int:
         from sfjax.cli import _llm
         from sfjax.default_model import default_speculative_config
         llm = _llm(args, default_speculative_config() if args.model is None else None)
-        params = SamplingParams(temperature=args.temperature, seed=args.seed, ignore_eos=True)
+        params = SamplingParams(**_sampling(args), ignore_eos=True)
         passes["offline"] = lambda: run_offline(llm, work, params, args.max_concurrency)
         passes["offline"]()
     best: dict[str, dict] = {}
