@@ -48,13 +48,13 @@ def warm_up(llm, one_pass: Callable[[], object]) -> tuple[float, int]:
     """Runs ``one_pass`` (a pass of a benchmark's workload on ``llm``, an LLM or an Engine) until
     a pass compiles nothing and leaves no bucket pending, so the timed passes run as a
     long-running engine runs the workload: an engine compiles a smaller bucket at its
-    ``COMPILE_AFTER`` + 1st ask (``Engine._fit``), so one pass leaves its draining calls
+    ``COMPILE_AFTER`` + 1st ask (``compile.Buckets.fit``), so one pass leaves its draining calls
     padded, and a pass that repeats a prompt meets the prefix cache, whose shorter prefill
     asks for a bucket of its own. Returns (seconds, passes run): a benchmark's compile time is
     the warm-up less that many warm passes. One still compiling after 2 (``COMPILE_AFTER`` + 2)
     passes (a repeated prompt needs ``COMPILE_AFTER`` + 3) is logged: its timed passes would
     compile too."""
-    from sfjax.engine.engine import COMPILE_AFTER
+    from sfjax.engine.compile import COMPILE_AFTER
 
     t = time.perf_counter()
     for done in range(1, 2 * (COMPILE_AFTER + 2) + 1):

@@ -12,7 +12,8 @@ from sfjax import sharding
 from sfjax import checks as C
 from sfjax.checks import InvalidType
 from sfjax.config import ModelConfig
-from sfjax.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineConfig
+from sfjax.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from sfjax.engine.engine import Engine
 from sfjax.outputs import RequestOutput
 from sfjax.sampling_params import SamplingParams
 from sfjax.spec import eagle

@@ -305,9 +305,9 @@ def test_ordinary_id_lists_compile_nothing_new(llm, monkeypatch):
     engine does not stall on the first request that carries them. (Each bucket compiles at its
     first ask here, ``COMPILE_AFTER`` 0, so that the plain requests compile every bucket the
     others' calls take: this test is about the lists.)"""
-    from sfjax.engine import engine
+    import sfjax.engine.compile as buckets
 
-    monkeypatch.setattr(engine, "COMPILE_AFTER", 0)
+    monkeypatch.setattr(buckets, "COMPILE_AFTER", 0)
     prompts = _prompts(3, seed=21)
     llm.generate(prompts, GREEDY, use_tqdm=False)
     # the same lengths, other tokens: no prefix-cache hit (whose admission compiles its own rows)

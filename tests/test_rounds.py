@@ -469,10 +469,10 @@ def test_decode_calls_do_not_run_in_a_prefill_bucket(tiny_folder, folders, kind,
     with no calls waiting before a bucket compiles, ``COMPILE_AFTER``: the next test counts
     them). The tokens equal those of calls of one round each (which never share the prefill's
     bucket)."""
-    from sfjax.engine import engine
+    import sfjax.engine.compile as buckets
     from sfjax.rows import bucket
 
-    monkeypatch.setattr(engine, "COMPILE_AFTER", 0)
+    monkeypatch.setattr(buckets, "COMPILE_AFTER", 0)
     spec = _spec(kind, folders)
     prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 480 + 2 for j in range(30)]}
                for i in range(4)]
@@ -484,7 +484,7 @@ def test_decode_calls_do_not_run_in_a_prefill_bucket(tiny_folder, folders, kind,
     need = bucket(GEOMETRY["max_num_seqs"] * k1, GEOMETRY["row_tile"])
     assert max(n for host, n, _ in shapes if host) >= 4 * need      # a prefill bucket ran
     decode = [(n, r) for host, n, r in shapes if not host]
-    slack = engine.FIT_SLACK
+    slack = buckets.FIT_SLACK
     assert decode and all(n <= slack * need and r <= slack * need for n, r in decode)
     one = LLM(tiny_folder, **GEOMETRY, speculative_config=spec, num_scheduler_steps=1)
     assert got == [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
@@ -497,7 +497,7 @@ def test_a_speculating_engine_sizes_its_decode_bucket_by_its_load(tiny_folder, f
     the slots that decode. Its first ``COMPILE_AFTER`` decode calls run in the prefill's
     bucket (128 rows), which the engine has compiled; the next compiles the tile's bucket, and
     every later one runs in it. The tokens equal a plain engine's."""
-    from sfjax.engine.engine import COMPILE_AFTER
+    from sfjax.engine.compile import COMPILE_AFTER
 
     prompt = [{"prompt_token_ids": [3, 3, 17, 250, 3, 3, 17, 250, 3, 3]}]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -522,7 +522,7 @@ def test_a_benchmarks_warm_up_runs_until_its_buckets_have_compiled(tiny_folder, 
     passes, which it returns: a benchmark's compile time is its warm-up less that many warm
     passes), so a timed pass runs in it."""
     from sfjax.benchmark import warm_up
-    from sfjax.engine.engine import COMPILE_AFTER
+    from sfjax.engine.compile import COMPILE_AFTER
 
     llm = LLM(tiny_folder, max_num_seqs=32, max_model_len=64, row_tile=8,
               enable_prefix_caching=False, speculative_config=_spec("ngram", folders))
@@ -542,7 +542,7 @@ def test_a_benchmarks_warm_up_waits_for_the_prefix_caches_buckets(tiny_folder):
     cache, and its shorter prefill asks for a bucket of its own: ``warm_up`` runs until that one
     has compiled too, so a timed pass after it compiles nothing and runs in its own buckets."""
     from sfjax.benchmark import compiles, warm_up
-    from sfjax.engine.engine import COMPILE_AFTER
+    from sfjax.engine.compile import COMPILE_AFTER
 
     llm = LLM(tiny_folder, max_num_seqs=4, max_model_len=128, row_tile=8, block_size=16,
               num_scheduler_steps=1)

@@ -9,9 +9,9 @@ from sfjax.benchmark import compiles
 
 
 def test_no_recompilation_when_composition_or_per_row_k_changes(model_folder, monkeypatch):
-    from sfjax.engine import engine
+    import sfjax.engine.compile as buckets
 
-    monkeypatch.setattr(engine, "COMPILE_AFTER", 0)   # buckets at their first ask: this is about k
+    monkeypatch.setattr(buckets, "COMPILE_AFTER", 0)   # buckets at their first ask: this is about k
     target = model_folder(toy.tiny_config(), seed=0, std=0.1)
     # one round per call, so every call below is the engine's one program (its rounds with
     # logprobs are one shape whatever the composition: test_precompile_covers_every_step_of_a_run)

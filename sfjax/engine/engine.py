@@ -7,7 +7,8 @@ caching), ``allocator`` (KV pages), ``batch`` (a plan's rows, packed by data sha
 sampling arrays), ``output`` (tokens into requests, detokenization, stops, RequestOutputs),
 ``speculation`` (the draft model, per-row k, counters), ``rounds`` (the one program every call
 runs: rounds the device lays out, the first after the host's prefill rows), ``programs`` (the
-compiled programs this engine owns) and ``compile`` (shape buckets, precompile)."""
+compiled programs this engine owns), ``compile`` (shape buckets, precompile) and ``config``
+(its settings)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ from sfjax.config import ModelConfig
 from sfjax.engine.allocator import BlockAllocator, ShardedAllocator
 from sfjax.engine.scheduler import Request, Scheduled, Scheduler, Status
 from sfjax.outputs import RequestOutput, merge_outputs
-from sfjax.run import RunConfig, check_settings
+from sfjax.run import RunConfig
 from sfjax.sampling_params import SamplingParams
 from sfjax.engine import compile, programs, rounds, speculation
-from sfjax.engine.batch import BatchBuilder, bucket, layout, pack
+from sfjax.engine.batch import BatchBuilder, layout, pack
+from sfjax.engine.config import EngineConfig
 from sfjax.engine.output import OutputProcessor
 from sfjax.engine.slots import LIVE, SlotSync
 from sfjax.engine.speculation import Speculator
@@ -42,58 +44,6 @@ from sfjax.tokenizer import IncrementalDetokenizer
 from sfjax.weights import Weights
 
 logger = logging.getLogger("sfjax")
-
-DEFAULT_KV_CACHE_BYTES = 1 << 30
-FIT_SLACK = 2           # a call reuses a compiled bucket of at most 2 times its rows (``_fit``)
-COMPILE_AFTER = 2       # calls that run padded in a larger bucket before their own compiles
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16
-    num_kv_blocks: int | None = None       # None: enough for max_num_seqs full sequences, capped
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # by this many bytes of pages per device
-    max_model_len: int | None = None       # None: the model's max_position_embeddings
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: max(512, max_num_seqs)
-    row_tile: int = 8                      # rows per tile of every op; fixed => row-invariant bits
-    sampler: str = "auto"                  # pallas_kernels.sampling.sample impl
-    attention: str = "auto"                # pallas_kernels.paged_attention.paged_attention impl
-    layer_loop: str = "auto"               # "scan" (stacked) | "unrolled" | "auto": unrolled on CPU
-    matmul: str | None = "auto"            # RunConfig.matmul: "auto", None (row tiles) or a kernel
-    enable_prefix_caching: bool = True     # share full KV blocks across requests by content hash
-    num_scheduler_steps: int = 8           # decode rounds per host call when every request decodes
-    # while every running request decodes and no waiting request has a free slot, send the next
-    # call before reading this one back: the host's work overlaps the device's (Engine._follow)
-    async_scheduling: bool = True
-    # CPU, one device: a step whose valid rows fit a tile of 2 or 4 runs in that tile, where it is
-    # certified to keep row_tile's bits (rows.certify_row_tiles)
-    small_row_tiles: bool = True
-    # XLA options for every program the engine compiles, as sorted (name, value) pairs
-    # (``compiler_options``: e.g. xla_gpu_autotune_level, xla_backend_optimization_level)
-    compiler_options: tuple[tuple[str, Any], ...] = ()
-    seed: int = 0
-
-    def __post_init__(self):
-        f = lambda name: f"EngineConfig.{name}"
-        check_settings("EngineConfig", block_size=self.block_size, row_tile=self.row_tile,
-                       sampler=self.sampler, layer_loop=self.layer_loop,
-                       attention=self.attention, matmul=self.matmul)
-        C.integer(f("num_kv_blocks"), self.num_kv_blocks, 2, optional=True)
-        C.integer(f("kv_cache_bytes"), self.kv_cache_bytes, 1)
-        C.integer(f("max_model_len"), self.max_model_len, 2, optional=True)
-        C.integer(f("max_num_seqs"), self.max_num_seqs, 1)
-        if self.max_num_batched_tokens is None:
-            object.__setattr__(self, "max_num_batched_tokens", max(512, self.max_num_seqs))
-        C.integer(f("max_num_batched_tokens"), self.max_num_batched_tokens, self.max_num_seqs,
-                  allowed=f"an int >= max_num_seqs ({self.max_num_seqs})")
-        C.boolean(f("enable_prefix_caching"), self.enable_prefix_caching)
-        C.integer(f("num_scheduler_steps"), self.num_scheduler_steps, 1, 1024)
-        C.boolean(f("small_row_tiles"), self.small_row_tiles)
-        C.boolean(f("async_scheduling"), self.async_scheduling)
-        object.__setattr__(self, "compiler_options",
-                           compiler_options(f("compiler_options"), self.compiler_options))
-        C.integer(f("seed"), self.seed, 0, 2**64 - 1, allowed="an int in [0, 2**64)")
 
 
 @dataclasses.dataclass
@@ -116,39 +66,6 @@ def host(tree):
     ``np.asarray``, which costs microseconds where ``jax.device_get``'s tree walk and
     asynchronous copies cost tens of them, on every call."""
     return jax.tree.map(np.asarray, tree)
-
-
-def compiler_options(field: str, options) -> tuple[tuple[str, Any], ...]:
-    """``options`` (a dict or (name, value) pairs of XLA compile options: DebugOptions fields
-    such as ``xla_gpu_autotune_level`` or ``xla_backend_optimization_level``) as sorted pairs;
-    each is tried on a trivial program of the default backend, so a name XLA does not know or a
-    value of the wrong kind is a ValueError naming the field before anything runs. Options may
-    change bits: on XLA:CPU, -O1 and up fuse a multiply and an add into one FMA where -O0 rounds
-    twice, so some logits differ in their last bits (and a token may, where two candidates tie
-    that closely). An engine's programs and its small-tile certificate all compile with its
-    options."""
-    if options is None:
-        return ()
-    pairs = options.items() if isinstance(options, dict) else options
-    try:
-        pairs = tuple(sorted((k, v) for k, v in pairs))
-    except (TypeError, ValueError):
-        raise C.InvalidType(f"{field} = {options!r}: must be a dict of XLA option names to "
-                            f"values") from None
-    for name, value in pairs:
-        if not isinstance(name, str) or not isinstance(value, (bool, int, float, str)):
-            raise C.InvalidType(f"{field}: {name!r}: {value!r} must map a str to a bool, int, "
-                                f"float or str")
-    if pairs and pairs not in _TRIED:
-        try:
-            jax.jit(lambda x: x + 1, compiler_options=dict(pairs)).lower(np.int32(0)).compile()
-        except Exception as e:          # XLA's own message names the option
-            raise ValueError(f"{field} = {dict(pairs)!r}: XLA refused them ({e})") from None
-        _TRIED.add(pairs)
-    return pairs
-
-
-_TRIED: set = set()       # options a trivial program compiled with
 
 
 def _max_len(cfg: ModelConfig, config: EngineConfig) -> int:
@@ -210,9 +127,10 @@ class Engine:
         self.state = self._initial_state()
         self.run = self._run_config(tiles(cfg, self.weights))
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
-        self._shapes: set[tuple] = set()               # the buckets its calls have run in
+        self.buckets = compile.Buckets(self.config, dp, self.spec, self.scheduler.shard_of,
+                                       bool(self.run.small_tiles),
+                                       bool(self.run.draft_small_tiles))
         self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
-        self._asked: dict[tuple, int] = {}             # calls that asked for each bucket (_fit)
         self.requests: dict[str, Request] = {}
         self._held: dict[str, RequestOutput] = {}      # outputs for the next step
         self._plan, self._dispatched = [], False
@@ -493,7 +411,7 @@ class Engine:
 
     def _follow(self, call: Call) -> Call | None:
         """The next call, dispatched before ``call`` is read back, or None. It runs ``call``'s
-        rounds in the bucket of ``call``'s rows (``_shape``: ``call``'s, or a smaller one once
+        rounds in the bucket of ``call``'s rows (``Buckets.shape``: ``call``'s, or a smaller one once
         its compile is due) over the slot state ``call`` leaves on the device (only new
         pages sent): the rounds a later call would run, so the same tokens. A row that ended in
         ``call`` is not live there (``rounds.call``); the tokens of a request that ended on the
@@ -528,7 +446,7 @@ class Engine:
         for req, upto in reach:
             sched.grow(req, upto)
         waits = bool(sched.waiting)      # then no round if a request ended in ``call``
-        with_logprobs = call.args[3]     # its bucket again: ``_fit`` counts it (COMPILE_AFTER)
+        with_logprobs = call.args[3]     # its bucket again: ``Buckets.fit`` counts it
         batch, draft, _, rows = self._host_rows([], decode, with_logprobs)
         args = (batch, draft, rows, with_logprobs)
         result = self._call(*args, None, call.num_rounds, waits, 0, False,
@@ -649,98 +567,26 @@ class Engine:
         self.state = self.slots.sync(self.state, self.scheduler.running, self.programs, progress)
         self._dispatched = True
 
-    def _fit(self, shape: tuple) -> tuple:
-        """The smallest (rows, logit rows, draft rows) bucket this engine has run that holds
-        ``shape`` with at most ``FIT_SLACK`` times its rows, else ``shape``: a call runs in a
-        compiled bucket when one holds its rows, which saves a compile but not the padding rows'
-        cost (the matmul tiles past the real rows are skipped; the K/V scatter, the gathers and
-        the zeroed outputs take every row), so decode calls do not run in a prefill's bucket of
-        more than ``FIT_SLACK`` times their rows (past their first asks, below). A count of one
-        tile stays one tile where small tiles are certified: a call of one tile runs in a
-        smaller one (``rows.Rows``).
-
-        A bucket is compiled only once ``COMPILE_AFTER`` calls have asked for it: until then
-        they run in the smallest larger bucket the engine has run, so a load that passes (a
-        batch draining as its requests end) costs a padded call or two, not a compile (seconds
-        on XLA:CPU, more on an accelerator), and a load that comes back gets its own bucket.
-        Counted per bucket, not in a row, so prefill calls between decode calls do not reset
-        the count. A call that no compiled bucket holds compiles its own at once; ``precompile``
-        runs every bucket, so a precompiled engine never waits."""
-        fits = self._fits(shape)
-        if fits:
-            return min(fits)
-        n, r, na = shape
-        larger = [sh for sh in self._shapes
-                  if sh[0] >= n and sh[1] >= r and (na is None or sh[2] >= na)]
-        self._asked[shape] = asked = self._asked.get(shape, 0) + 1
-        return min(larger) if larger and asked <= COMPILE_AFTER else shape
-
-    def _fits(self, shape: tuple) -> list[tuple]:
-        """The buckets this engine has run that hold ``shape`` within ``FIT_SLACK`` (``_fit``)."""
-        n, r, na = shape
-        one = self.dp * self.config.row_tile
-        small = bool(self.run.small_tiles)
-        draft_small = bool(self.run.draft_small_tiles)
-        holds = lambda have, need, tiny: (have == need if tiny and need <= one
-                                          else need <= have <= FIT_SLACK * need)
-        return [sh for sh in self._shapes if holds(sh[0], n, small) and holds(sh[1], r, small)
-                and (na is None or holds(sh[2], na, draft_small))]
-
     def buckets_pending(self) -> list[tuple]:
-        """The buckets calls have asked for that have not compiled yet (``_fit``): calls that
-        ask for them again run padded until the ask after ``COMPILE_AFTER``. A benchmark's
-        warm-up runs until this is empty (``sfjax.benchmark.warm_up``)."""
-        return sorted(sh for sh in self._asked if sh not in self._shapes and not self._fits(sh))
-
-    def _shape(self, rows: list[int], logit_rows: int, decode: list[Request],
-               with_logprobs: bool) -> tuple:
-        """The (rows, logit rows, draft rows) a call runs in: the host's ``rows`` per data shard
-        and ``logit_rows``, then ``decode``'s rows (a speculating engine's: each one's k_max + 1),
-        bucketed, or a larger bucket the engine has run (``_fit``). A speculating engine's call
-        without host rows is sized by the slots that decode (a call's live slots only end, never
-        join, within it: one request of 32 slots at k = 3 decodes in 8 rows, not 128); one with
-        host rows past one tile takes at least every slot's k_max + 1 rows and logit rows, so
-        that one bucket holds prefill chunks of any length up to it (few calls, each compiled
-        once, rather than one bucket per chunk length and load), and one within a tile runs in
-        a tile's rows, which decoding compiles anyway. With logprobs, the host's
-        rows and then every slot's (that program's bucket without host rows is compiled once,
-        ``compile.shape_buckets``; one with prefill rows the first time a call needs it: a fixed
-        bucket of a whole token budget would run its padding rows wherever kernels take every
-        row, as the accelerator path's do)."""
-        c, dp, tile = self.config, self.dp, self.config.row_tile
-        load = [0] * dp
-        for req in decode:
-            load[self.scheduler.shard_of(req.slot)] += 1
-        if with_logprobs:
-            load = [c.max_num_seqs // dp] * dp
-        k1 = self.spec.k_max + 1 if self.spec else 1
-        seg = max(h + per * k1 for h, per in zip(rows, load))
-        if self.spec is None:
-            shape = (dp * bucket(max(seg, 1), tile),
-                     bucket(max(logit_rows + sum(load), 1), tile), None)
-        else:
-            floor = c.max_num_seqs * k1 if any(rows) and seg > tile else sum(load) * k1
-            seg = bucket(max(seg, -(-floor // dp), 1), tile)
-            na = (dp * bucket(max(max(h + 2 * per for h, per in zip(rows, load)), seg), tile)
-                  if self.spec.draft_cfg is not None else None)
-            shape = dp * seg, bucket(max(logit_rows + floor, 1), tile), na
-        return shape if with_logprobs else self._fit(shape)
+        """The buckets calls have asked for that have not compiled yet (``compile.Buckets``): a
+        benchmark's warm-up runs until this is empty (``sfjax.benchmark.warm_up``)."""
+        return self.buckets.pending()
 
     def _host_rows(self, prefill: list[Scheduled], decode: list[Request], with_logprobs: bool):
         """The host's rows of a call: ``prefill``'s chunks packed by data shard, in the bucket
-        that holds them and ``decode``'s rows after them (``_shape``); for a draft model the same
+        that holds them and ``decode``'s rows after them (``Buckets.shape``); for a draft model the same
         rows in its row count. Returns (batch, draft rows or None, the logit rows' meta, the rows
         per data shard)."""
         rows = [0] * self.dp
         for s in prefill:
             rows[self.scheduler.shard_of(s.request.slot)] += s.count
         if not prefill:
-            shape = self._shape(rows, 0, decode, with_logprobs)
+            shape = self.buckets.shape(rows, 0, decode, with_logprobs)
             if shape not in self._pads:        # built once per shape (calls do not donate them)
                 self._pads[shape] = self._build([], shape)
             return (*self._pads[shape], rows)
         logits = self.batches.logits(prefill)
-        shape = self._shape(rows, len(logits), decode, with_logprobs)
+        shape = self.buckets.shape(rows, len(logits), decode, with_logprobs)
         return (*self._build(prefill, shape, logits), rows)
 
     def _build(self, prefill: list[Scheduled], shape: tuple, logits=None):
@@ -767,7 +613,7 @@ class Engine:
             np.asarray(rows, np.int32), np.int32(running), np.int32(num_rounds),
             np.bool_(until_one_ends), np.int32(expect_live))
         if not with_logprobs:
-            self._shapes.add((len(batch.tokens), len(batch.logit_rows),
+            self.buckets.ran.add((len(batch.tokens), len(batch.logit_rows),
                               None if draft is None else len(draft[0])))
         return out, logprobs, drawn if read_drawn else None
 

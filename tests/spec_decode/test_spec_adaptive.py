@@ -65,9 +65,9 @@ def test_host_and_device_pick_the_same_k_and_nothing_recompiles(tiny_folder, dra
     acceptances request by request. Then a workload whose acceptance, so its k, differs runs on
     the programs already compiled (each bucket compiled at its first ask, ``COMPILE_AFTER`` 0:
     this is about k)."""
-    from sfjax.engine import engine
+    import sfjax.engine.compile as buckets
 
-    monkeypatch.setattr(engine, "COMPILE_AFTER", 0)
+    monkeypatch.setattr(buckets, "COMPILE_AFTER", 0)
     spec = {"method": "draft_model", "model": drafts["near"], "num_speculative_tokens": "auto",
             "draft_cost": 0.1}
     ps = prompts(8, seed=BATCH8_SEED)
