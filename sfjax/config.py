@@ -91,10 +91,11 @@ class ModelConfig:
             dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        theta, scaling = _rope(hf)
         return cls(
             **cfg,
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(hf.get("rope_scaling")),
+            rope_theta=theta,
+            rope_scaling=_rope_scaling(scaling),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
@@ -135,14 +136,28 @@ class ModelConfig:
         return self.vocab_size * d + head + L * (attn + 3 * d * f + 2 * d) + d
 
 
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, the scaling dict): transformers 5 writes both in ``rope_parameters``,
+    earlier versions as ``rope_theta`` and ``rope_scaling``; ``rope_parameters`` wins, as it
+    does in transformers."""
+    rp = hf.get("rope_parameters")
+    if rp is None:
+        return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+    if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
+        raise ValueError(f"config.json: rope_parameters {rp!r} is not supported (one dict for "
+                         f"every layer, as Llama's)")
+    return float(rp.get("rope_theta", hf.get("rope_theta", 10000.0))), rp
+
+
 def _rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
     if not rs:
         return None
-    kind = rs.get("rope_type", rs.get("type"))
+    kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "default":
         return None
     if kind not in ("llama3", "linear"):
-        raise ValueError(f"config.json: rope_scaling type {kind!r} is not supported (llama3, linear)")
+        raise ValueError(f"config.json: rope type {kind!r} is not supported (default, llama3, "
+                         f"linear)")
     fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
     return RopeScaling(rope_type=kind, **{k: v for k, v in rs.items() if k in fields})
 

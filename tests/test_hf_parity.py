@@ -14,6 +14,7 @@ Measured on XLA:CPU / torch CPU (float32), for the record:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -234,6 +235,24 @@ def test_rope_scaling_matters_past_original_context(name, model_folder, hf_model
     for a, b in [(sfjax_logits(scaled, parity_ids), sfjax_logits(plain, parity_ids)),
                  (hf_logits(hf_model(scaled), parity_ids), hf_logits(hf_model(plain), parity_ids))]:
         assert np.abs(a[64:] - b[64:]).max() > 0.1
+
+
+@pytest.mark.parametrize("name", ["gqa", "llama3", "linear"])
+def test_config_json_as_transformers_writes_it_means_the_same_model(name, tmp_path):
+    """transformers 5 writes ``rope_theta`` and the scaling inside ``rope_parameters`` (earlier
+    versions at the top level, the form ``toy`` writes): a config.json as the installed
+    transformers saves it, and one in transformers 5's form, mean the same ``ModelConfig``
+    (an unread ``rope_parameters`` ran theta 10000, unscaled, with no error)."""
+    cfg = dataclasses.replace(CONFIGS[name], rope_theta=5e5)
+    legacy = cfg.to_hf_config()
+    hf = transformers.LlamaConfig.from_dict(legacy).to_dict()
+    assert ModelConfig.from_hf_config(hf) == cfg
+    new = {k: v for k, v in legacy.items() if k not in ("rope_theta", "rope_scaling")}
+    new["rope_parameters"] = {"rope_type": "default", **legacy.get("rope_scaling", {}),
+                              "rope_theta": 5e5}
+    assert ModelConfig.from_hf_config(new) == cfg
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        ModelConfig.from_hf_config({**new, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
 
 
 # ---------------------------------------------------------------------------------------------
