@@ -7,6 +7,7 @@ error event for a request that fails in the engine while others carry on."""
 import json
 
 import asyncio
+import os
 import threading
 import time
 
@@ -235,6 +236,30 @@ def test_app_refusals(tiny_folder, llm):
         await engine.shutdown(timeout=1.0)
 
     asyncio.run(main())
+
+
+def test_a_chat_template_in_chat_template_jinja_serves_chat(tiny_folder, tmp_path):
+    """transformers 5 saves a tokenizer's chat template as ``chat_template.jinja`` beside
+    tokenizer_config.json, not inside it: the server renders it as transformers does (it
+    refused chat, 'no chat template')."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from sfjax.serve.app import ChatTemplate
+
+    for name in os.listdir(tiny_folder):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(tiny_folder, name), tmp_path / name)
+    assert not ChatTemplate(str(tmp_path)).available
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    want = PreTrainedTokenizerFast.from_pretrained(str(tmp_path)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert want == "<s>system: Be brief.\n<s>user: hi\nassistant:"
+    assert ChatTemplate(str(tmp_path)).render(messages) == want
 
 
 BAD_PROMPT = "raise Failure"

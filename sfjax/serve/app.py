@@ -28,8 +28,9 @@ from sfjax.serve.protocol import APIError
 
 
 class ChatTemplate:
-    """The model folder's chat template (tokenizer_config.json), rendered through transformers;
-    a folder without one refuses chat requests with a 400."""
+    """The model folder's chat template (``chat_template.jinja``, as transformers 5 saves it, or
+    ``chat_template`` in tokenizer_config.json), rendered through transformers; a folder without
+    one refuses chat requests with a 400."""
 
     def __init__(self, model_path: str):
         self.path = model_path
@@ -38,13 +39,15 @@ class ChatTemplate:
         if os.path.isfile(file):
             with open(file) as f:
                 config = json.load(f)
-        self.available = bool(config.get("chat_template"))
+        self.available = (bool(config.get("chat_template"))
+                          or os.path.isfile(os.path.join(model_path, "chat_template.jinja")))
         self._tokenizer = None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.available:
-            raise APIError("this model has no chat template (no chat_template in its "
-                           "tokenizer_config.json); use /v1/completions", "messages")
+            raise APIError("this model has no chat template (no chat_template.jinja, no "
+                           "chat_template in its tokenizer_config.json); use /v1/completions",
+                           "messages")
         if self._tokenizer is None:     # transformers loads only when chat is used
             from transformers import PreTrainedTokenizerFast
             self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.path)
