@@ -71,6 +71,11 @@ class ModelConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"config.json: {flag}=true is not supported")
+        quant = hf.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(f"config.json: quantization_config ({method}) is not supported: "
+                             f"sfjax loads float32, bfloat16 and float16 weights")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
         try:
@@ -89,6 +94,10 @@ class ModelConfig:
             raise ValueError(f"config.json is missing the field {e.args[0]!r}") from None
         if dtype == "auto":
             dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+            if dtype not in _DTYPES:
+                raise ValueError(f"config.json: dtype {dtype!r} is not supported "
+                                 f"({', '.join(sorted(_DTYPES))}); dtype= (--dtype) loads the "
+                                 f"weights as one of them")
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         theta, scaling = _rope(hf)
@@ -160,6 +169,28 @@ def _rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
                          f"linear)")
     fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
     return RopeScaling(rope_type=kind, **{k: v for k, v in rs.items() if k in fields})
+
+
+# generation_config.json's sampling fields that vLLM takes as a model's defaults, by the
+# SamplingParams field each sets
+SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                     "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                     "max_new_tokens": "max_tokens"}
+
+
+def generation_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A model folder's generation_config.json ({} without one)."""
+    file = os.path.join(path, "generation_config.json")
+    return read_json(file) if os.path.exists(file) else {}
+
+
+def sampling_defaults(path: str | os.PathLike) -> dict[str, Any]:
+    """The SamplingParams fields a model folder's generation_config.json sets (vLLM's
+    ``get_default_sampling_params``: temperature, top_p, top_k, min_p, repetition_penalty and
+    max_new_tokens as max_tokens; ``do_sample`` is not read, as vLLM does not)."""
+    gen = generation_config(path)
+    return {ours: gen[theirs] for theirs, ours in SAMPLING_DEFAULTS.items()
+            if gen.get(theirs) is not None}
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:

@@ -11,14 +11,14 @@ from tqdm.auto import tqdm
 from sfjax import sharding
 from sfjax import checks as C
 from sfjax.checks import InvalidType
-from sfjax.config import ModelConfig
+from sfjax.config import ModelConfig, sampling_defaults
 from sfjax.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from sfjax.engine.engine import Engine
 from sfjax.outputs import RequestOutput
 from sfjax.sampling_params import SamplingParams
 from sfjax.spec import eagle
 from sfjax.spec.config import SpeculativeConfig
-from sfjax.tokenizer import generation_eos_ids, load_tokenizer
+from sfjax.tokenizer import eos_ids, load_tokenizer
 from sfjax.weights import load
 
 
@@ -112,15 +112,28 @@ class LLM:
                              f"divide the target's tensor_parallel_size ({target_tp})")
         self.model_path = model
         self.model_config = ModelConfig.from_folder(model, dtype)
+        self._sampling_defaults = sampling_defaults(model)
+        try:
+            SamplingParams(**self._sampling_defaults)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"generation_config.json: {e}") from None
         self.tokenizer = load_tokenizer(tokenizer or model)
         weights = load(model, self.model_config, mesh)
         self.engine = Engine(self.model_config, weights, self.tokenizer, config,
-                             generation_eos_ids(model, self.model_config.eos_token_ids), spec,
+                             eos_ids(model, tokenizer or model, self.tokenizer,
+                                     self.model_config.vocab_size, self.model_config.eos_token_ids),
+                             spec,
                              _load_draft(spec, self.model_config, dtype), mesh)
         self._next_id = 0
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty; max_new_tokens as max_tokens), what
+        ``generate`` uses when given none."""
+        return SamplingParams(**self._sampling_defaults)
 
     def reset_prefix_cache(self) -> None:
         """Forgets the prefix cache's blocks (outputs never depend on it, only speed does)."""
@@ -142,7 +155,8 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
-            params = [sampling_params] * len(prompts)
+            params = [sampling_params if sampling_params is not None
+                      else self.get_default_sampling_params()] * len(prompts)
         requests, arrivals = [], self.engine._arrivals
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+
+from sfjax.config import generation_config, read_json
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -25,31 +25,69 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise ValueError(f"model folder: no usable tokenizer in {path} ({e})") from None
 
 
-def generation_eos_ids(path: str, fallback: tuple[int, ...]) -> tuple[int, ...]:
-    """EOS ids from generation_config.json, else config.json's."""
-    file = os.path.join(path, "generation_config.json")
+def eos_ids(model_path: str, tokenizer_path: str, tokenizer: Tokenizer, vocab_size: int,
+            fallback: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end a sequence, as vLLM takes them: generation_config.json's
+    ``eos_token_id``, else config.json's (``fallback``), and the tokenizer's own ``eos_token``
+    (tokenizer_config.json: an instruct model's end of turn, where generation_config.json is
+    missing or older than the tokenizer)."""
+    ids, eos = fallback, generation_config(model_path).get("eos_token_id")
+    if eos is not None:
+        ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+    file = os.path.join(tokenizer_path, "tokenizer_config.json")
     if os.path.exists(file):
-        with open(file) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return fallback
+        token = read_json(file).get("eos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        own = tokenizer.token_to_id(token) if isinstance(token, str) else None
+        if own is not None and own < vocab_size and own not in ids:
+            ids += (own,)
+    return ids
 
 
 class IncrementalDetokenizer:
-    """Text of the output tokens, built token by token (an incomplete UTF-8 tail waits)."""
+    """The text of a request's output tokens, built token by token as vLLM builds it: decoded
+    after the prompt's last tokens (a SentencePiece token's leading space stays), a character
+    whose bytes have not all come held back, and the text only ever growing (what a stream has
+    sent is always the start of the final text). Decodes windows of ids, so no id sequence
+    raises (``tokenizers.DecodeStream`` raised on bytes that no longer decode as they did).
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    The text is ``decode(context + ids)`` past ``decode(context)``, except where bytes that do
+    not form UTF-8 follow text already given out: a decode of every id at once turns the bytes
+    before them to U+FFFD too (HF's ByteFallback), the text keeps what it gave."""
+
+    CONTEXT = 5             # prompt tokens decoded before the output's
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 prompt_ids: list[int] | tuple[int, ...] = ()):
+        self._tok, self._skip = tokenizer, skip_special_tokens
+        self._ids = list(prompt_ids[-self.CONTEXT:])
+        self._start, self._read = 0, len(self._ids)    # the window's context; ids in the text
+        self._undo = None
         self.text = ""
 
     def add(self, token_id: int) -> str:
-        piece = self._stream.step(self._tok, token_id) or ""
-        self.text += piece
-        return piece
+        """Appends one id; returns the text it completes ("" while a character waits)."""
+        self._undo = (len(self.text), self._start, self._read)
+        self._ids.append(token_id)
+        return self._advance(final=False)
 
-    def finish(self, ids: list[int]) -> None:
-        """Flushes a held-back tail: the final text is exactly ``decode(ids)``."""
-        self.text = self._tok.decode(ids, skip_special_tokens=self._skip)
+    def finish(self, drop_last: bool = False) -> None:
+        """Gives out any held-back text; ``drop_last``: without the last id's text (an EOS or a
+        stop id that ended the request)."""
+        if drop_last and self._undo is not None:
+            size, self._start, self._read = self._undo
+            self.text = self.text[:size]
+            self._ids.pop()
+        self._undo = None
+        self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = lambda ids: self._tok.decode(ids, skip_special_tokens=self._skip)
+        before, after = decode(self._ids[self._start:self._read]), decode(self._ids[self._start:])
+        if after == before or not final and after.endswith("\ufffd"):
+            return ""
+        # bytes that break the text already given: the new ids' own text
+        piece = after[len(before):] if after.startswith(before) else decode(self._ids[self._read:])
+        self.text += piece
+        self._start, self._read = self._read, len(self._ids)
+        return piece

@@ -56,6 +56,33 @@ def build_tokenizer(vocab_size: int = 512, texts: list[str] | None = None) -> To
     return tok
 
 
+def build_sentencepiece_tokenizer(vocab_size: int = 512, texts: list[str] | None = None) -> Tokenizer:
+    """A Llama-2-style tokenizer trained on ``texts`` (default: CORPUS): "▁" for a space (one
+    prepended to the text), <0x00>..<0xFF> (ids 2..257) for bytes no merge covers, ``<s>`` = 0
+    and ``</s>`` = 1, a BOS prepended on encode; its decoder strips the text's leading space."""
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                 split=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=[BOS, EOS],
+                                  show_progress=False)
+    tok.train_from_iterator(texts or [CORPUS] * 4, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = {BOS: 0, EOS: 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    for piece, _ in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    spec["model"]["vocab"] = vocab
+    for added in spec["added_tokens"]:
+        added["id"] = vocab[added["content"]]
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0), (EOS, 1)])
+    return tok
+
+
 def save_tokenizer(path: str, tok: Tokenizer) -> None:
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
@@ -86,13 +113,16 @@ def llama_160m_config(**overrides) -> ModelConfig:
 
 def build_model_folder(path: str, cfg: ModelConfig, seed: int = 0, std: float = 0.02,
                        norm_jitter: float = 0.0, max_shard_bytes: int | None = None,
-                       weights: W.Weights | None = None) -> str:
-    """Writes a complete HF folder for ``cfg`` with random weights from ``seed``; returns ``path``."""
+                       weights: W.Weights | None = None, tokenizer: str = "byte_level") -> str:
+    """Writes a complete HF folder for ``cfg`` with random weights from ``seed``; returns ``path``.
+    ``tokenizer``: "byte_level" (``build_tokenizer``) or "sentencepiece"
+    (``build_sentencepiece_tokenizer``)."""
     os.makedirs(path, exist_ok=True)
     if weights is None:
         weights = W.init_random(cfg, seed, std=std, norm_jitter=norm_jitter)
     W.save_hf(path, cfg, weights, max_shard_bytes=max_shard_bytes)
-    save_tokenizer(path, build_tokenizer(min(cfg.vocab_size, 512)))
+    build = {"byte_level": build_tokenizer, "sentencepiece": build_sentencepiece_tokenizer}
+    save_tokenizer(path, build[tokenizer](min(cfg.vocab_size, 512)))
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)

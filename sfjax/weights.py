@@ -160,6 +160,9 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
 def tensor_reader(path: str) -> Callable[[str], np.ndarray]:
     """``read(name)``: a tensor of the folder's safetensors as numpy (ValueError naming a
     missing one); ``read.names``: every tensor there."""
@@ -174,8 +177,13 @@ def tensor_reader(path: str) -> Callable[[str], np.ndarray]:
     def read(name: str) -> np.ndarray:
         if name not in where:
             raise ValueError(f"model folder: tensor {name!r} is missing from {path}")
-        with safe_open(where[name], framework="numpy") as sf:
-            return sf.get_tensor(name)
+        try:
+            with safe_open(where[name], framework="numpy") as sf:
+                x = sf.get_tensor(name)
+        except Exception as e:       # a dtype numpy lacks (float8), a corrupt file
+            raise ValueError(f"model folder: cannot read tensor {name!r} of {where[name]}: "
+                             f"{type(e).__name__}: {e}") from None
+        return x
 
     read.names = frozenset(where)          # every tensor the folder holds
     return read
@@ -185,7 +193,16 @@ def load_hf(path: str, cfg: ModelConfig) -> Weights:
     """Loads ``model.safetensors`` (or sharded safetensors with their index) without torch, as
     host (numpy) arrays in ``cfg``'s dtype: ``sharding.place_weights`` lays them out on the host
     and places them once."""
-    read = tensor_reader(path)
+    reader = tensor_reader(path)
+
+    def read(name: str) -> np.ndarray:
+        x = reader(name)
+        if str(x.dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"model folder: {name} is {x.dtype}: sfjax loads float weights "
+                             f"({', '.join(FLOAT_DTYPES)}); quantized checkpoints are not "
+                             f"supported")
+        return x
+
     arrays = {}
     for name, a in describe(cfg).items():
         if "{i}" in a.hf_name:

@@ -344,3 +344,45 @@ def test_request_failure(tiny_folder, llm):
         await engine.shutdown(timeout=1.0)
 
     asyncio.run(main())
+
+
+def test_the_models_generation_config_sets_the_sampling_defaults(tiny_folder, tmp_path):
+    """As in vLLM, generation_config.json's temperature, top_p, top_k, min_p,
+    repetition_penalty and max_new_tokens are the defaults: of ``LLM.generate`` given no
+    SamplingParams, and of the server's requests for the fields they leave out (both ran at
+    temperature 1, 16 tokens); a field a request sets wins, and a bad value is refused when the
+    model loads, naming the file."""
+    import shutil
+
+    from sfjax.serve.app import build_app
+
+    folder = shutil.copytree(tiny_folder, tmp_path / "m")
+    gen = {"eos_token_id": [1], "temperature": 0.0, "max_new_tokens": 5, "repetition_penalty": 1.3,
+           "do_sample": True}
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(folder), max_num_seqs=2, max_model_len=64)
+    own = llm.get_default_sampling_params()
+    assert (own.temperature, own.max_tokens, own.repetition_penalty) == (0.0, 5, 1.3)
+    greedy = llm.generate("def f", SamplingParams(temperature=0.0, max_tokens=5,
+                                                  repetition_penalty=1.3), use_tqdm=False)[0].outputs[0]
+    assert llm.generate("def f", use_tqdm=False)[0].outputs[0].token_ids == greedy.token_ids
+    sampled = llm.generate("def f", SamplingParams(temperature=1.0, seed=3, max_tokens=7,
+                                                   repetition_penalty=1.3), use_tqdm=False)
+    engine = AsyncLLM.from_llm(llm)
+    app = build_app(engine, "m", str(folder))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=60) as c:
+            post = lambda **body: c.post("/v1/completions", json={"prompt": "def f",
+                                                                  "return_token_ids": True, **body})
+            r = (await post()).json()["choices"][0]
+            assert r["token_ids"] == greedy.token_ids
+            r = (await post(temperature=1.0, seed=3, max_tokens=7)).json()["choices"][0]
+            assert r["token_ids"] == sampled[0].outputs[0].token_ids
+        await engine.shutdown(timeout=1.0)
+
+    asyncio.run(main())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: .*temperature"):
+        LLM(str(folder), max_num_seqs=2, max_model_len=64)

@@ -391,6 +391,36 @@ def test_bad_model_folders(tmp_path, tiny_folder):
         LLM(str(noweights))
 
 
+def test_quantized_folders_are_refused_naming_what(tmp_path, tiny_folder):
+    """A quantized checkpoint was served with its int8 values cast to float and its scales
+    dropped (other tokens, no error), or failed in numpy (float8); a generation_config.json that
+    is not JSON and a config dtype sfjax lacks name their file."""
+    from safetensors.numpy import load_file, save_file
+
+    q = shutil.copytree(tiny_folder, tmp_path / "q")
+    cfg = json.loads((q / "config.json").read_text())
+    (q / "config.json").write_text(json.dumps(
+        {**cfg, "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}))
+    with pytest.raises(ValueError, match=r"quantization_config \(bitsandbytes\) is not supported"):
+        LLM(str(q))
+    (q / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(q / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    save_file({**tensors, name: tensors[name].astype(np.int8)}, q / "model.safetensors")
+    with pytest.raises(ValueError, match=f"{name} is int8: sfjax loads float weights"):
+        LLM(str(q))
+    bad = shutil.copytree(tiny_folder, tmp_path / "bad")
+    (bad / "generation_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        LLM(str(bad))
+    (bad / "generation_config.json").unlink()
+    (bad / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float64"}))
+    with pytest.raises(ValueError, match="config.json: dtype 'float64' is not supported"):
+        LLM(str(bad))
+    assert LLM(str(bad), dtype="float32", max_num_seqs=1, max_model_len=32).model_config.dtype \
+        == "float32"
+
+
 def test_text_is_the_decode_of_the_tokens(llm):
     tok = llm.get_tokenizer()
     outs = llm.generate(["def fib(n):", "The quick brown fox"], GREEDY, use_tqdm=False)

@@ -225,7 +225,7 @@ class Engine:
         return Request(
             request_id=request_id, prompt=text, prompt_token_ids=list(ids), params=params,
             arrival=arrival, key_data=sampling.request_key_data(seed), max_tokens=max_tokens,
-            detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids),
             arrival_time=time.monotonic(), strategy_slot=slot, certificate=self.registry.slots[slot])
 
     def _strategy_slot(self, params: SamplingParams) -> int:

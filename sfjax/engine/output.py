@@ -68,8 +68,7 @@ class OutputProcessor:
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.finished_time = time.monotonic()
         if text is None:
-            drop = on_token and not req.params.include_stop_str_in_output
-            req.detok.finish(req.output_token_ids[:-1] if drop else req.output_token_ids)
+            req.detok.finish(drop_last=on_token and not req.params.include_stop_str_in_output)
         else:
             req.detok.text = text
         self.release(req)

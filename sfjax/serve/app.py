@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from sfjax.async_llm import AsyncLLM, EngineClosed, EngineOverloaded, EngineStepFailed
+from sfjax.config import sampling_defaults
 from sfjax.serve import protocol as P
 from sfjax.serve.protocol import APIError
 
@@ -147,6 +148,7 @@ class Server:
     def __init__(self, engine: AsyncLLM, model_name: str, model_path: str, metrics=None):
         self.engine, self.model_name, self.model_path = engine, model_name, model_path
         self.chat_template = ChatTemplate(model_path)
+        self.defaults = sampling_defaults(model_path)      # the model's, as vLLM takes them
         self.metrics = metrics
         self.tokenizer = engine.get_tokenizer()
 
@@ -173,7 +175,7 @@ class Server:
 
     async def completions(self, req: P.CompletionRequest, raw: Request):
         self.check_model(req.model)
-        params, prompt = P.completion_params(req), P.completion_prompt(req)
+        params, prompt = P.completion_params(req, self.defaults), P.completion_prompt(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         first, gen = await _unless_disconnected(raw, self.start(prompt, params, rid, {}))
         if req.stream:
@@ -220,7 +222,7 @@ class Server:
 
     async def chat(self, req: P.ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        params = P.chat_params(req)
+        params = P.chat_params(req, self.defaults)
         text = self.chat_template.render(req.messages, req.add_generation_prompt)
         prompt = {"prompt": text,
                   "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False).ids}

@@ -70,8 +70,8 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -131,9 +131,11 @@ def error_param(message: str, renames: dict[str, str]) -> str | None:
     return renames.get(field, field)
 
 
-def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
-                    renames: dict[str, str]) -> SamplingParams:
-    """The request's SamplingParams; a refused value raises APIError(400) naming its field."""
+def sampling_params(req: _SamplingRequest, defaults: dict[str, Any], *, max_tokens: int | None,
+                    logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
+    """The request's SamplingParams, a field it leaves out taken from ``defaults`` (the model's
+    generation_config.json, ``config.sampling_defaults``) as vLLM does, else vLLM's default; a
+    refused value raises APIError(400) naming its field."""
     for field, value in (req.model_extra or {}).items():
         if field in _NOT_OFFERED and value not in _NOT_OFFERED[field]:
             shown = json.dumps(value)
@@ -146,13 +148,13 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     except ValueError:
         raise APIError("logit_bias: keys must be token ids (integers as strings)", "logit_bias") from None
+    given = {f: getattr(req, f) for f in ("temperature", "top_p", "top_k", "min_p",
+                                          "repetition_penalty") if getattr(req, f) is not None}
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p,
+            **{**defaults, **given, "max_tokens": max_tokens},
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, logit_bias=bias,
-            allowed_token_ids=req.allowed_token_ids, seed=req.seed, max_tokens=max_tokens,
+            logit_bias=bias, allowed_token_ids=req.allowed_token_ids, seed=req.seed,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
@@ -162,22 +164,23 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
         raise APIError(str(e), error_param(str(e), renames)) from None
 
 
-def completion_params(req: CompletionRequest) -> SamplingParams:
+def completion_params(req: CompletionRequest, defaults: dict[str, Any]) -> SamplingParams:
     for field, ok in (("echo", not req.echo), ("suffix", req.suffix is None),
                       ("best_of", req.best_of in (None, 1))):
         if not ok:
             raise APIError(f"{field} is not offered", field)
-    return sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
-                           logprobs=req.logprobs, renames={})
+    limit = defaults.get("max_tokens", 16) if req.max_tokens is None else req.max_tokens
+    return sampling_params(req, defaults, max_tokens=limit, logprobs=req.logprobs, renames={})
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, defaults: dict[str, Any]) -> SamplingParams:
     if req.tools:
         raise APIError("tools are not offered", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs = true", "top_logprobs")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return sampling_params(req, max_tokens=limit,
+    return sampling_params(req, defaults,
+                           max_tokens=defaults.get("max_tokens") if limit is None else limit,
                            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                            renames={"logprobs": "top_logprobs", **chat_renames(req)})
 

@@ -1,0 +1,126 @@
+"""Output text, token by token: the two kinds of tokenizer Llama checkpoints ship (byte-level BPE,
+Llama-3's; SentencePiece-style with byte fallback, Llama-2's), against ``tokenizers``' decode of
+the same ids. The text only grows (a stream's deltas add up to the final text), no id sequence
+fails a request, and the text is decoded after the prompt, so a SentencePiece token's leading
+space stays (vLLM's text: prompt + text reads as decode(prompt + output))."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sfjax import LLM, SamplingParams, toy
+from sfjax.tokenizer import IncrementalDetokenizer
+
+KINDS = {"byte_level": toy.build_tokenizer, "sentencepiece": toy.build_sentencepiece_tokenizer}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def tokenizer(request):
+    return request.param, KINDS[request.param]()
+
+
+def _stream(tok, ids, prompt=(), skip=True, drop_last=False):
+    """(the text after each id, the final text) of ``ids`` after ``prompt``."""
+    d = IncrementalDetokenizer(tok, skip, list(prompt))
+    seen = []
+    for i in ids:
+        d.add(i)
+        seen.append(d.text)
+    d.finish(drop_last=drop_last)
+    return seen, d.text
+
+
+def test_random_ids_never_raise_and_the_text_only_grows(tokenizer):
+    """2,000 random sequences of up to 12 ids (half of the SentencePiece vocabulary is byte
+    tokens, so most hold bytes that are not UTF-8): every text seen on the way is the start of
+    the final one, also when the last id's text is dropped (an EOS). The final text is the ids'
+    decode, except where invalid bytes follow text already given: a decode of all the ids at
+    once turns that text to U+FFFD too (ByteFallback), and only then."""
+    kind, tok = tokenizer
+    rng, vocab, differ = random.Random(0), tok.get_vocab_size(), 0
+    for _ in range(2000):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 13))]
+        skip, drop = rng.random() < 0.5, rng.random() < 0.3
+        seen, text = _stream(tok, ids, skip=skip, drop_last=drop)
+        assert all(text.startswith(s) for s in seen[:-1 if drop else None]), (ids, seen, text)
+        want = tok.decode(ids[:-1] if drop else ids, skip_special_tokens=skip)
+        if text != want:
+            differ += 1
+            assert kind == "sentencepiece" and "\ufffd" in want, (ids, text, want)
+    assert kind == "byte_level" or differ > 0      # the exception above is met, not assumed
+
+
+def test_bytes_that_break_a_decoded_run_do_not_fail_the_text():
+    """A newline byte, then half an emoji's bytes, then a word: ``tokenizers.DecodeStream``
+    raised 'Invalid prefix encountered' here (the request failed, the server answered 500)."""
+    tok = toy.build_sentencepiece_tokenizer()
+    word = tok.token_to_id("er")
+    ids = [word, 2 + 0x0A, 2 + 0xF0, 2 + 0x9F, word]
+    assert tok.decode(ids) == "er\ufffd\ufffd\ufffder"    # the newline's text changed
+    seen, text = _stream(tok, ids)
+    assert seen == ["er", "er\n", "er\n", "er\n", text] and text.endswith("er")
+
+
+def test_output_text_keeps_the_leading_space_after_the_prompt(tokenizer):
+    """The output is decoded after the prompt: prompt text + output text is the decode of
+    prompt + output ids (``tokenizers`` alone strips a SentencePiece output's leading space)."""
+    _, tok = tokenizer
+    prompt = tok.encode("def fib(n):").ids
+    rest = tok.encode(" return fib(n - 1)", add_special_tokens=False).ids
+    seen, text = _stream(tok, rest, prompt)
+    assert tok.decode(prompt, skip_special_tokens=True) + text == \
+        tok.decode(prompt + rest, skip_special_tokens=True)
+    assert text.startswith(" return") and seen[-1] == text
+
+
+@pytest.fixture(scope="module")
+def sp_folder(tmp_path_factory):
+    return toy.build_model_folder(str(tmp_path_factory.mktemp("sp")), toy.tiny_config(), seed=3,
+                                  std=0.3, tokenizer="sentencepiece")
+
+
+def test_an_engine_on_a_sentencepiece_model_streams_its_final_text(sp_folder):
+    """A random model on the SentencePiece tokenizer draws byte tokens freely: eight sampled
+    requests stream outputs whose texts each start the next one's, end as the final text,
+    and none fails."""
+    llm = LLM(sp_folder, max_num_seqs=8, max_model_len=128)
+    engine, tok = llm.engine, llm.get_tokenizer()
+    for i in range(8):
+        engine.add_request(f"r{i}", "def fib(n):",
+                           SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True))
+    texts: dict[str, list[str]] = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            assert out.outputs[0].finish_reason != "error", out.error
+            texts.setdefault(out.request_id, []).append(out.outputs[0].text)
+            if out.finished:
+                ids = out.prompt_token_ids + out.outputs[0].token_ids
+                whole = tok.decode(ids, skip_special_tokens=True)
+                head = tok.decode(out.prompt_token_ids, skip_special_tokens=True)
+                assert whole == head + out.outputs[0].text or "\ufffd" in whole
+    assert len(texts) == 8
+    for seq in texts.values():
+        assert all(b.startswith(a) for a, b in zip(seq, seq[1:])), seq
+
+
+def test_the_tokenizers_own_eos_ends_a_sequence(tmp_path):
+    """An instruct model's tokenizer_config.json names its end of turn as ``eos_token`` where
+    generation_config.json is missing or older: vLLM stops on it, and so does sfjax (the
+    request ran on to max_tokens)."""
+    import json
+
+    cfg = toy.tiny_config()
+    folder = toy.build_model_folder(str(tmp_path), cfg, seed=0, std=0.1)
+    params = SamplingParams(temperature=0, max_tokens=6, logit_bias={300: 100.0})
+    before = LLM(folder, max_num_seqs=1, max_model_len=64).generate("def", params, use_tqdm=False)
+    assert before[0].outputs[0].token_ids == [300] * 6
+    path = tmp_path / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["eos_token"] = toy.build_tokenizer(cfg.vocab_size).id_to_token(300)
+    path.write_text(json.dumps(config))
+    out = LLM(folder, max_num_seqs=1, max_model_len=64).generate("def", params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [300] and out[0].outputs[0].finish_reason == "stop"
