@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from sfjax import sharding
 from sfjax import checks as C
 from sfjax.checks import InvalidType
+from sfjax.chat import ChatTemplate
 from sfjax.config import ModelConfig, sampling_defaults
 from sfjax.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from sfjax.engine.engine import Engine
@@ -118,6 +119,7 @@ class LLM:
         except (ValueError, TypeError) as e:
             raise type(e)(f"generation_config.json: {e}") from None
         self.tokenizer = load_tokenizer(tokenizer or model)
+        self.chat_template = ChatTemplate(tokenizer or model)
         weights = load(model, self.model_config, mesh)
         self.engine = Engine(self.model_config, weights, self.tokenizer, config,
                              eos_ids(model, tokenizer or model, self.tokenizer,
@@ -167,6 +169,24 @@ class LLM:
         for req in requests:
             self.engine.enqueue(req)
         return self._run(requests, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's: generates a reply to each conversation (a list of {"role", "content"}
+        messages, or a list of such lists) rendered by the model's chat template, as the
+        server's chat completions render it; ValueError naming ``messages`` for a model without
+        a template or a message it cannot take."""
+        batch = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        prompts = []
+        for i, conversation in enumerate(batch):
+            try:
+                text = self.chat_template.render(conversation, add_generation_prompt)
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}" if len(batch) > 1 else str(e)) from None
+            prompts.append({"prompt": text, "prompt_token_ids":
+                            self.tokenizer.encode(text, add_special_tokens=False).ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod
     def _prompt_list(prompts: Any) -> list:

@@ -7,7 +7,6 @@ error event for a request that fails in the engine while others carry on."""
 import json
 
 import asyncio
-import os
 import threading
 import time
 
@@ -241,25 +240,39 @@ def test_app_refusals(tiny_folder, llm):
 def test_a_chat_template_in_chat_template_jinja_serves_chat(tiny_folder, tmp_path):
     """transformers 5 saves a tokenizer's chat template as ``chat_template.jinja`` beside
     tokenizer_config.json, not inside it: the server renders it as transformers does (it
-    refused chat, 'no chat template')."""
+    refused chat, 'no chat template'), and so does ``LLM.chat`` (vLLM's), one conversation or
+    several, giving ``generate``'s tokens for the rendered ids."""
     import shutil
 
     from transformers import PreTrainedTokenizerFast
 
-    from sfjax.serve.app import ChatTemplate
+    from sfjax.chat import ChatTemplate
 
-    for name in os.listdir(tiny_folder):
-        if name.startswith("tokenizer"):
-            shutil.copy(os.path.join(tiny_folder, name), tmp_path / name)
-    assert not ChatTemplate(str(tmp_path)).available
-    (tmp_path / "chat_template.jinja").write_text(
+    folder = shutil.copytree(tiny_folder, tmp_path / "m")
+    assert not ChatTemplate(str(folder)).available
+    llm = LLM(str(folder), max_num_seqs=2, max_model_len=64)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="messages: this model has no chat template"):
+        llm.chat(messages)
+    (folder / "chat_template.jinja").write_text(
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}")
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    want = PreTrainedTokenizerFast.from_pretrained(str(tmp_path)).apply_chat_template(
+    want = PreTrainedTokenizerFast.from_pretrained(str(folder)).apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True)
     assert want == "<s>system: Be brief.\n<s>user: hi\nassistant:"
-    assert ChatTemplate(str(tmp_path)).render(messages) == want
+    assert ChatTemplate(str(folder)).render(messages) == want
+    llm = LLM(str(folder), max_num_seqs=2, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    other = [{"role": "user", "content": "def f"}]
+    got = llm.chat([messages, other], params, use_tqdm=False)
+    ids = [llm.get_tokenizer().encode(ChatTemplate(str(folder)).render(m),
+                                      add_special_tokens=False).ids for m in (messages, other)]
+    ref = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in got] == ids and ids[0][:1] == [0]    # one BOS
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert got[0].prompt == want
+    with pytest.raises(ValueError, match=r"messages\[0\].role: 'robot' is not one of"):
+        llm.chat([{"role": "robot", "content": "x"}])
 
 
 BAD_PROMPT = "raise Failure"

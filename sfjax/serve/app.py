@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 import uuid
 from typing import AsyncIterator
@@ -23,58 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from sfjax.async_llm import AsyncLLM, EngineClosed, EngineOverloaded, EngineStepFailed
+from sfjax.chat import ChatTemplate
 from sfjax.config import sampling_defaults
 from sfjax.serve import protocol as P
 from sfjax.serve.protocol import APIError
-
-
-class ChatTemplate:
-    """The model folder's chat template (``chat_template.jinja``, as transformers 5 saves it, or
-    ``chat_template`` in tokenizer_config.json), rendered through transformers; a folder without
-    one refuses chat requests with a 400."""
-
-    def __init__(self, model_path: str):
-        self.path = model_path
-        file = os.path.join(model_path, "tokenizer_config.json")
-        config = {}
-        if os.path.isfile(file):
-            with open(file) as f:
-                config = json.load(f)
-        self.available = (bool(config.get("chat_template"))
-                          or os.path.isfile(os.path.join(model_path, "chat_template.jinja")))
-        self._tokenizer = None
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.available:
-            raise APIError("this model has no chat template (no chat_template.jinja, no "
-                           "chat_template in its tokenizer_config.json); use /v1/completions",
-                           "messages")
-        if self._tokenizer is None:     # transformers loads only when chat is used
-            from transformers import PreTrainedTokenizerFast
-            self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.path)
-        try:
-            return self._tokenizer.apply_chat_template(
-                [_message(m, i) for i, m in enumerate(messages)], tokenize=False,
-                add_generation_prompt=add_generation_prompt)
-        except APIError:
-            raise
-        except Exception as e:           # jinja's TemplateError and the like
-            raise APIError(f"messages: the chat template failed: {e}", "messages") from None
-
-
-def _message(m: dict, i: int) -> dict:
-    """A message with its content as one string (text parts joined)."""
-    role, content = m.get("role"), m.get("content")
-    if role not in ("system", "user", "assistant", "developer", "tool"):
-        raise APIError(f"messages[{i}].role: {role!r} is not system, user, assistant or tool",
-                       "messages")
-    if isinstance(content, list):
-        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-            raise APIError(f"messages[{i}].content: only text parts are offered", "messages")
-        content = "".join(p.get("text", "") for p in content)
-    if not isinstance(content, str):
-        raise APIError(f"messages[{i}].content must be a string or text parts", "messages")
-    return {"role": role, "content": content}
 
 
 class Delta:
@@ -220,10 +171,16 @@ class Server:
 
     # -- chat ----------------------------------------------------------------------------------
 
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.chat_template.render(messages, add_generation_prompt)
+        except ValueError as e:
+            raise APIError(str(e), "messages") from None
+
     async def chat(self, req: P.ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         params = P.chat_params(req, self.defaults)
-        text = self.chat_template.render(req.messages, req.add_generation_prompt)
+        text = self._render(req.messages, req.add_generation_prompt)
         prompt = {"prompt": text,
                   "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False).ids}
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -266,7 +223,7 @@ class Server:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            text = self.chat_template.render(req.messages, req.add_generation_prompt)
+            text = self._render(req.messages, req.add_generation_prompt)
             ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         else:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids

@@ -1,0 +1,58 @@
+"""A model folder's chat template, rendered as transformers renders it (``LLM.chat``, the
+server's chat completions and ``/tokenize``)."""
+
+from __future__ import annotations
+
+import os
+
+from sfjax.config import read_json
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+class ChatTemplate:
+    """The folder's chat template (``chat_template.jinja``, as transformers 5 saves it, or
+    ``chat_template`` in tokenizer_config.json), rendered through transformers; ``render``
+    raises ValueError naming ``messages`` for a folder without one or a message it cannot
+    take."""
+
+    def __init__(self, path: str):
+        self.path = path
+        file = os.path.join(path, "tokenizer_config.json")
+        config = read_json(file) if os.path.isfile(file) else {}
+        self.available = (bool(config.get("chat_template"))
+                          or os.path.isfile(os.path.join(path, "chat_template.jinja")))
+        self._tokenizer = None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.available:
+            raise ValueError("messages: this model has no chat template (no chat_template.jinja, "
+                             "no chat_template in its tokenizer_config.json)")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: must be a non-empty list of {'role', 'content'} dicts")
+        messages = [_message(m, i) for i, m in enumerate(messages)]
+        if self._tokenizer is None:     # transformers loads only when chat is used
+            from transformers import PreTrainedTokenizerFast
+            self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.path)
+        try:
+            return self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:           # jinja's TemplateError and the like
+            raise ValueError(f"messages: the chat template failed: {e}") from None
+
+
+def _message(m, i: int) -> dict:
+    """A message with its content as one string (text parts joined)."""
+    if not isinstance(m, dict):
+        raise ValueError(f"messages[{i}]: must be a dict with 'role' and 'content', got "
+                         f"{type(m).__name__}")
+    role, content = m.get("role"), m.get("content")
+    if role not in ROLES:
+        raise ValueError(f"messages[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise ValueError(f"messages[{i}].content: only text parts are offered")
+        content = "".join(p.get("text", "") for p in content)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or text parts")
+    return {"role": role, "content": content}
