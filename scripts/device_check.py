@@ -269,9 +269,10 @@ def row_bits(smoke: bool) -> dict:
 
     @functools.partial(jax.jit, static_argnums=(3,))
     def logits(tokens, positions, slots, n):
-        h, _ = model.forward(w, cache, tokens, positions, slots, tables, cfg, matmul=impl,
+        tiling = R.Tiling(kernel=impl)
+        h, _ = model.forward(w, cache, tokens, positions, slots, tables, cfg, tiling,
                              attention="auto" if not ON_CPU else "reference")
-        return model.logits(w, h, cfg, matmul=impl)
+        return model.logits(w, h, cfg, tiling)
 
     rng = np.random.default_rng(0)
     probe_tok = 17

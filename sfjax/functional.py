@@ -243,8 +243,7 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
                                   run=cfg.plain())
         if cfg.draft is not None:
             _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables,
-                                      cfg.draft, cfg.row_tile, small_tiles=cfg.draft_small_tiles,
-                                      matmul=cfg.matmul, attention=cfg.attention,
+                                      cfg.draft, cfg.draft_tiling, attention=cfg.attention,
                                       mesh=cfg.draft_mesh)
         st = dataclasses.replace(st, draft_cache=dcache)
     live, zeros = st.progress.live, jnp.zeros_like(prompt_lens)

@@ -66,11 +66,6 @@ def cache_slots(block_tables, slots, positions, block_size):
     return jnp.where(pad, 0, page), jnp.where(pad, 0, pos % block_size)
 
 
-def _small(small_tiles: tuple[int, ...], sp: Split) -> tuple[int, ...]:
-    """The certified smaller row tiles, on one device only (a mesh's bodies are not certified)."""
-    return small_tiles if sp == Split() else ()
-
-
 # -- one decoder layer --------------------------------------------------------------------------
 
 
@@ -138,16 +133,15 @@ class _Call:
 
 
 def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables, *,
-             cfg: ModelConfig, row_tile: int, small_tiles: tuple[int, ...], kernel: str | None,
-             attention: str, sp: Split, features: tuple[int, ...] = ()):
+             cfg: ModelConfig, tiling: rows.Tiling, attention: str, sp: Split,
+             features: tuple[int, ...] = ()):
     """One shard's forward (the whole forward off a mesh). Stages are separate row-tile loops,
     with the all-gathers between them, the same on one device as on many. A data shard's rows
     are its own slots' (``sharding.slot_rows``), so it writes and reads only its own pages.
     With ``features``, also the residual stream entering each of those layers, concatenated."""
     slots = sp.own_slots(slots, block_tables.shape[0])
     page, offset = cache_slots(block_tables, slots, positions, cache.k.shape[2])
-    ctx = _Call(cfg, sp, rows.Rows(positions >= 0, row_tile, _small(small_tiles, sp), kernel),
-                attention,
+    ctx = _Call(cfg, sp, tiling.rows(positions >= 0, sp != Split()), attention,
                 rope_frequencies(cfg), positions, slots, block_tables, page, offset)
     x = sp.embed(weights.embed, tokens)
     carry, taken = (x, cache.k, cache.v), jnp.zeros((len(features), *x.shape), x.dtype)
@@ -171,9 +165,8 @@ def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_t
 
 
 def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_tables,
-            cfg: ModelConfig, row_tile: int = 8, *, small_tiles: tuple[int, ...] = (),
-            matmul: str | None = None, attention: str = "auto", mesh=None,
-            features: tuple[int, ...] = ()):
+            cfg: ModelConfig, tiling: rows.Tiling = rows.Tiling(), *, attention: str = "auto",
+            mesh=None, features: tuple[int, ...] = ()):
     """The ragged forward: writes each row's K/V to its page, returns hidden states.
 
     Stacked weights run by ``lax.scan`` over the layer axis; weights from ``split_layers`` (a
@@ -182,12 +175,11 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
     splits on CPU; GPU and TPU scan.
 
     Args:
-      tokens, positions, slots: int32 [N] (N a multiple of ``row_tile``; padding: slot -1).
-      small_tiles: smaller row tiles certified to give ``row_tile``'s bits (``RunConfig``): a
-        call whose valid rows fit one runs in it (one device only).
-      matmul: None (matmuls in row tiles of ``row_tile``) or a ``pallas_kernels.matmul`` impl
-        ("interpret", "triton", "mosaic_tpu"): each matmul one batch-invariant Pallas launch over
-        all rows (``rows.Rows``).
+      tokens, positions, slots: int32 [N] (N a multiple of ``tiling.tile``; padding: slot -1).
+      tiling: how the rows are computed (``rows.Tiling``): row tiles, the certified smaller
+        tiles a call whose valid rows fit one runs in (one device only), or a
+        ``pallas_kernels.matmul`` impl ("interpret", "triton", "mosaic_tpu"): each matmul one
+        batch-invariant Pallas launch over all rows.
       block_tables: int32 [max_seqs, max_blocks].
       attention: ``pallas_kernels.paged_attention.paged_attention``'s impl ("auto": the Pallas
         kernel on GPU and TPU, the reference by query blocks on CPU; "reference_tiles": the
@@ -209,9 +201,8 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
         raise ValueError(f"features = {features!r} is out of range: must be layers in "
                          f"[0, {cfg.num_layers})")
     weights = rows.block_weights(weights)
-    fn = functools.partial(_forward, cfg=cfg, row_tile=row_tile, small_tiles=small_tiles,
-                           kernel=matmul, attention=attention, sp=Split.of(cfg, mesh),
-                           features=tuple(features))
+    fn = functools.partial(_forward, cfg=cfg, tiling=tiling, attention=attention,
+                           sp=Split.of(cfg, mesh), features=tuple(features))
     if mesh is None:
         return fn(weights, cache, tokens, positions, slots, block_tables)
     n = tokens.shape[0]
@@ -220,7 +211,7 @@ def forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_ta
     out = sharding.shard_map(
         fn, mesh, in_specs=(sharding.weight_specs(weights, cfg, mesh), kv, data, data, data, P()),
         out_specs=(data, kv, data)[:3 if features else 2])(
-            weights, cache, *sharding.pad_rows(mesh, row_tile, tokens, positions, slots),
+            weights, cache, *sharding.pad_rows(mesh, tiling.tile, tokens, positions, slots),
             block_tables)
     return (out[0][:n], out[1], *(x[:n] for x in out[2:]))
 
@@ -234,28 +225,26 @@ def head(h, weights: Weights, cfg: ModelConfig, mm=matmul):
     return mm(h, weights.lm_head, jnp.float32, norm=(weights.final_norm, cfg.rms_norm_eps))
 
 
-def _logits(weights: Weights, hidden, num_rows, *, cfg: ModelConfig, row_tile: int,
-            small_tiles: tuple[int, ...], kernel: str | None, sp: Split):
+def _logits(weights: Weights, hidden, num_rows, *, cfg: ModelConfig, tiling: rows.Tiling,
+            sp: Split):
     n = hidden.shape[0]
-    valid = sp.first_row(n) + jnp.arange(n) < num_rows
-    r = rows.Rows(valid, row_tile, _small(small_tiles, sp), kernel)
+    r = tiling.rows(sp.first_row(n) + jnp.arange(n) < num_rows, sp != Split())
     out = r.apply(functools.partial(head, weights=weights, cfg=cfg, mm=r.matmul), hidden)
     return sp.columns(out, 1) if sp.vocab_sharded else out
 
 
-def logits(weights: Weights, hidden, cfg: ModelConfig, row_tile: int = 8, num_rows=None, *,
-           small_tiles: tuple[int, ...] = (), matmul: str | None = None, mesh=None):
+def logits(weights: Weights, hidden, cfg: ModelConfig, tiling: rows.Tiling = rows.Tiling(),
+           num_rows=None, *, mesh=None):
     """Final norm and LM head, per tile; float32 [R, vocab]. Rows past ``num_rows`` (traced;
     default all) are skipped by whole tiles and come out zero. On a ``mesh``: under ``shard_map``,
     rows over ``data``, the vocabulary over ``model`` (gathered at the end)."""
     weights = rows.block_weights(weights)
     n = hidden.shape[0]
     num_rows = n if num_rows is None else num_rows
-    fn = functools.partial(_logits, cfg=cfg, row_tile=row_tile, small_tiles=small_tiles,
-                           kernel=matmul, sp=Split.of(cfg, mesh))
+    fn = functools.partial(_logits, cfg=cfg, tiling=tiling, sp=Split.of(cfg, mesh))
     if mesh is None:
         return fn(weights, hidden, num_rows)
-    m = sharding.pad_to(n, mesh, row_tile)
+    m = sharding.pad_to(n, mesh, tiling.tile)
     lm = dataclasses.replace(weights, **{f: None for f in LAYER_FIELDS})
     out = sharding.shard_map(fn, mesh, in_specs=(sharding.weight_specs(lm, cfg, mesh),
                                                  P(sharding.DATA), P()),

@@ -124,12 +124,10 @@ def _target(weights, state: DeviceState, batch: StepBatch, tokens, positions, sl
     drawn, the hidden ``features`` the proposer reads)."""
     cfg, mesh = run.model, run.mesh
     hidden, cache, *feats = model.forward(weights, state.cache, tokens, positions, slots,
-                                          state.block_tables, cfg, run.row_tile,
-                                          small_tiles=run.small_tiles, matmul=run.matmul,
+                                          state.block_tables, cfg, run.tiling,
                                           attention=run.attention, mesh=mesh, features=features)
-    logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, run.row_tile,
-                                     batch.num_logit_rows, small_tiles=run.small_tiles,
-                                     matmul=run.matmul, mesh=mesh), mesh)
+    logits = replicated(model.logits(weights, hidden[batch.logit_rows], cfg, run.tiling,
+                                     batch.num_logit_rows, mesh=mesh), mesh)
     drawn = sampling.draw(logits, draws, state.history, batch.num_logit_rows, run.row_tile,
                           batch.with_logprobs, run.sampler)
     return (dataclasses.replace(state, cache=keep_cache_sharding(cache, cfg, mesh)), logits,

@@ -6,6 +6,9 @@ fused with (the same elementwise math gave other last bits in two fusions on XLA
 keeps its bits only if it is always computed by the same compiled code on operands of the same
 shape. Everything that makes that so lives here, behind a small interface the model uses:
 
+- ``Tiling``: how a call computes its rows (static: the tile, the certified small tiles, the
+  matmul kernel), the one argument the model takes for it; ``Tiling.rows(valid)`` is a call's
+  ``Rows``;
 - ``Rows.apply(fn, *xs)``: ``fn`` over a call's rows in fixed tiles of ``tile`` rows (``per_tile``),
   or one certified smaller tile when the call's valid rows fit it (``per_tile_sized``);
 - ``matmul(a, w)``: ``a @ w`` in ``COL_BLOCKS`` fixed column blocks of a ``block``-ed ``w``, so a
@@ -114,6 +117,21 @@ def per_tile_sized(fn, row_tile: int, small_tiles: tuple[int, ...], valid_rows, 
     branches = [lambda xs, t=t: per_tile(fn, t, jnp.minimum(last, 1), *xs) for t in small]
     index = sum((last > t).astype(jnp.int32) for t in small)
     return lax.switch(index, branches + [whole], xs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How a call computes its rows (static, hashable): in tiles of ``tile`` rows, or in one of
+    the certified ``small`` tiles when its valid rows fit it, or, with a ``kernel`` (a
+    ``pallas_kernels.matmul`` impl), each matmul as one Pallas launch over every row."""
+    tile: int = 8
+    small: tuple[int, ...] = ()
+    kernel: str | None = None
+
+    def rows(self, valid, split: bool = False) -> "Rows":
+        """The ``Rows`` of a call whose ``valid`` rows are given; ``split``: the call runs under a
+        mesh, whose bodies are not certified, so in whole tiles only."""
+        return Rows(valid, self.tile, () if split else self.small, self.kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,10 +329,10 @@ def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention
         i = jnp.arange(n)
         positions = jnp.where(i < m, i, jnp.where((i == n - 1) & other, 0, -1))
         slots = jnp.where(i < m, 0, jnp.where(positions >= 0, 1, -1))
-        hidden, kv = model.forward(weights, cache, tokens, positions, slots, tables, cfg,
-                                   row_tile, small_tiles=cands, attention=attention)
-        out = model.logits(weights, hidden, cfg, row_tile, num_rows=jnp.where(other, n, m),
-                           small_tiles=cands)
+        tiling = Tiling(row_tile, cands)
+        hidden, kv = model.forward(weights, cache, tokens, positions, slots, tables, cfg, tiling,
+                                   attention=attention)
+        out = model.logits(weights, hidden, cfg, tiling, num_rows=jnp.where(other, n, m))
         return out, hidden, kv.k[:, 1:1 + per_slot], kv.v[:, 1:1 + per_slot]
 
     def same(t):                       # compared on the host: no eager op compiles per shape

@@ -147,6 +147,21 @@ class RunConfig:
         return None if spec is None else RoundConfig.of(spec)
 
     @property
+    def tiling(self) -> rows.Tiling:
+        """How the target's calls compute their rows."""
+        return rows.Tiling(self.row_tile, self.small_tiles, self.matmul)
+
+    @property
+    def draft_tiling(self) -> rows.Tiling:
+        """How the draft model's calls compute their rows."""
+        return rows.Tiling(self.row_tile, self.draft_small_tiles, self.matmul)
+
+    @property
+    def head_tiling(self) -> rows.Tiling:
+        """How an EAGLE head's calls compute their rows (no small tile is certified for it)."""
+        return rows.Tiling(self.row_tile, (), self.matmul)
+
+    @property
     def k_max(self) -> int:
         spec = self.speculative_config
         return 0 if spec is None else spec.num_speculative_tokens

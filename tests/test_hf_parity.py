@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers
 
-from sfjax import LLM, SamplingParams, model, toy
+from sfjax import LLM, SamplingParams, model, rows, toy
 from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, RopeScaling
@@ -77,9 +77,10 @@ USER_COMPILE = xla_defaults() or None
 
 @functools.partial(jax.jit, static_argnames=("cfg", "row_tile"), compiler_options=USER_COMPILE)
 def _paged_logits(weights, cache, tokens, positions, slots, block_tables, *, cfg, row_tile):
+    tiling = rows.Tiling(row_tile)
     hidden, cache = model.forward(weights, cache, tokens, positions, slots, block_tables, cfg,
-                                  row_tile)
-    return model.logits(weights, hidden, cfg, row_tile), cache
+                                  tiling)
+    return model.logits(weights, hidden, cfg, tiling), cache
 
 
 def sfjax_logits(folder: str, ids, dtype: str = "auto", chunks=(), block_size: int = 16,

@@ -18,9 +18,9 @@ BS, MAX_BLOCKS = 8, 16
 
 @functools.partial(jax.jit, static_argnames=("small_tiles",))
 def _run(w, cache, tokens, positions, slots, tables, small_tiles=()):
-    h, cache = model.forward(w, cache, tokens, positions, slots, tables, CFG, 8,
-                             small_tiles=small_tiles)
-    return model.logits(w, h, CFG, 8, small_tiles=small_tiles), cache
+    tiling = R.Tiling(8, small_tiles)
+    h, cache = model.forward(w, cache, tokens, positions, slots, tables, CFG, tiling)
+    return model.logits(w, h, CFG, tiling), cache
 
 
 def _call(w, cache, rows, tables, n, small_tiles=()):

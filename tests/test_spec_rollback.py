@@ -15,8 +15,8 @@ EOS = 1
 
 
 def _fake_forward(miss_every_third):
-    def forward(weights, cache, tokens, positions, slots, block_tables, cfg, row_tile=8, *,
-                attention="auto", mesh=None, **_):          # small_tiles, matmul: unused
+    def forward(weights, cache, tokens, positions, slots, block_tables, cfg, tiling=None, *,
+                attention="auto", mesh=None, **_):
         """Stores each row's token in its K page (as a float) and 'predicts' position p + 1 as the
         token at p + 1 - N_BACK, read back through the block tables."""
         bs = cache.k.shape[2]
@@ -33,7 +33,7 @@ def _fake_forward(miss_every_third):
     return forward
 
 
-def _fake_logits(weights, hidden, cfg, row_tile=8, num_rows=None, *, mesh=None, **_):
+def _fake_logits(weights, hidden, cfg, tiling=None, num_rows=None, *, mesh=None, **_):
     return hidden.astype(jnp.float32)
 
 

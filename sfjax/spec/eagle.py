@@ -364,8 +364,7 @@ def forget(state: HeadState, slot) -> HeadState:
 
 
 def paged(w: HeadWeights, cfg: HeadConfig, cache: KVCache, tokens, inputs, positions, slots,
-          block_tables, *, fused: bool, with_logits: bool, row_tile: int, kernel: str | None,
-          attention: str):
+          block_tables, *, fused: bool, with_logits: bool, tiling: rows.Tiling, attention: str):
     """The head over a ragged batch of rows on its paged cache: row i reads the embedding of
     ``tokens[i]`` and its hidden input at ``positions[i]`` of slot ``slots[i]`` (padding: -1),
     writes its K/V there and attends to the slot's earlier ones. ``inputs``: the hidden inputs
@@ -374,7 +373,7 @@ def paged(w: HeadWeights, cfg: HeadConfig, cache: KVCache, tokens, inputs, posit
     bits never depend on the call. Returns (pre-norm outputs [N, d], with ``with_logits`` the
     draft logits float32 [N, vocab] else None, cache)."""
     c = cfg.layer
-    r = rows.Rows(positions >= 0, row_tile, (), kernel)
+    r = tiling.rows(positions >= 0)
     page, offset = model.cache_slots(block_tables, slots, positions, cache.k.shape[2])
 
     def first(e, x, p):
@@ -385,7 +384,7 @@ def paged(w: HeadWeights, cfg: HeadConfig, cache: KVCache, tokens, inputs, posit
     kc = cache.k.at[0, page, offset].set(k.astype(cache.k.dtype))
     vc = cache.v.at[0, page, offset].set(v.astype(cache.v.dtype))
     attn = paged_attention(q, kc, vc, 0, block_tables, slots, positions,
-                           sm_scale=float(c.head_dim) ** -0.5, row_tile=row_tile,
+                           sm_scale=float(c.head_dim) ** -0.5, row_tile=tiling.tile,
                            impl=attention).astype(hidden.dtype)
 
     def last(h, a):
@@ -396,9 +395,8 @@ def paged(w: HeadWeights, cfg: HeadConfig, cache: KVCache, tokens, inputs, posit
     return out, lg, KVCache(k=kc, v=vc)
 
 
-def paged_logits(w: HeadWeights, cfg: HeadConfig, prenorm, valid, *, row_tile: int,
-                 kernel: str | None):
+def paged_logits(w: HeadWeights, cfg: HeadConfig, prenorm, valid, *, tiling: rows.Tiling):
     """``logits`` of the pre-norm outputs ``prenorm`` [N, d] (``paged``'s), in ``rows`` tiles (or
     kernels) over the ``valid`` rows [N], so a row's bits never depend on the call."""
-    r = rows.Rows(valid, row_tile, (), kernel)
+    r = tiling.rows(valid)
     return r.apply(lambda o: logits(w, cfg, o, r.matmul), prenorm)

@@ -147,7 +147,7 @@ def _scan_drafts(ctx, step, carry, k, k_max: int):
 def _draft_model(dw, dcache, ctx, k_max: int):
     """k_max draft tokens per slot from the draft model. Returns (drafts [S, K], logq, cache)."""
     spec, history, run = ctx.spec, ctx.history, ctx.run
-    dcfg, row_tile, tiles = run.draft, run.row_tile, run.draft_small_tiles
+    dcfg, row_tile, tiling = run.draft, run.row_tile, run.draft_tiling
     attention, mesh = run.attention, run.draft_mesh
     s = spec.slots.shape[0]
     sd = -(-s // row_tile) * row_tile                 # slot rows padded to whole tiles
@@ -155,8 +155,7 @@ def _draft_model(dw, dcache, ctx, k_max: int):
     slots, length, k = grow(spec.slots, -1), grow(spec.length, 0), grow(spec.k, 0)
     live = slots >= 0
     h, dcache = model.forward(dw, dcache, spec.draft_tokens, spec.draft_positions, spec.draft_slots,
-                              ctx.block_tables, dcfg, row_tile, small_tiles=tiles,
-                              matmul=run.matmul, attention=attention, mesh=mesh)
+                              ctx.block_tables, dcfg, tiling, attention=attention, mesh=mesh)
     spread, gather = lambda x, fill: x, lambda h: h       # one row per slot, in slot order
     if sharding.dp_of(mesh) > 1:                           # ... or by data shard
         first, n = sharding.slot_rows(slots, live, ctx.block_tables.shape[0], mesh, 1, row_tile)
@@ -164,8 +163,7 @@ def _draft_model(dw, dcache, ctx, k_max: int):
         gather = lambda h: h[jnp.minimum(first, n - 1)]
 
     one = functools.partial(_draw_draft, ctx, slots, length, k, live, s)
-    head = lambda h: replicated(model.logits(dw, h, dcfg, row_tile, jnp.sum(live), small_tiles=tiles,
-                                             matmul=run.matmul, mesh=mesh), mesh)
+    head = lambda h: replicated(model.logits(dw, h, dcfg, tiling, jnp.sum(live), mesh=mesh), mesh)
     d0, q0, history = one(head(h[grow(spec.draft_last, 0)]), 0, history)
 
     def step(carry, j):
@@ -173,8 +171,7 @@ def _draft_model(dw, dcache, ctx, k_max: int):
         pos = jnp.where(live & (j < k), length - 1 + j, -1)
         h, dcache = model.forward(dw, dcache, spread(d_prev, 0), spread(pos, -1),
                                   spread(jnp.where(pos >= 0, slots, -1), -1), ctx.block_tables,
-                                  dcfg, row_tile, small_tiles=tiles, matmul=run.matmul,
-                                  attention=attention, mesh=mesh)
+                                  dcfg, tiling, attention=attention, mesh=mesh)
         d, logq, history = one(head(gather(h)), j, history)
         return (d, dcache, history), (d, logq)
 
@@ -212,7 +209,7 @@ class Eagle:
         run = ctx.run
         return eagle.paged(hw, self.head, cache, tokens, inputs, positions, slots,
                            ctx.block_tables, fused=fused, with_logits=with_logits,
-                           row_tile=run.row_tile, kernel=run.matmul, attention=run.attention)
+                           tiling=run.head_tiling, attention=run.attention)
 
     @staticmethod
     def _ready(hs, slots, length, last):
@@ -231,7 +228,7 @@ class Eagle:
         k = jnp.where(self._ready(hs, slots, length, last), grow(spec.k, 0), 0)
         one = functools.partial(_draw_draft, ctx, slots, length, k, live, s)
         h = hs.out[at]
-        lg = eagle.paged_logits(hw, self.head, h, k > 0, row_tile=run.row_tile, kernel=run.matmul)
+        lg = eagle.paged_logits(hw, self.head, h, k > 0, tiling=run.head_tiling)
         d0, q0, history = one(lg, 0, ctx.history)
 
         def step(carry, j):
