@@ -196,7 +196,10 @@ class AsyncLLM:
         if not admitted.set_running_or_notify_cancel():
             return           # its caller left while the add was queued: nothing to admit
         try:
-            self.engine.add_request(request_id, prompt, params)
+            cap = None
+            if params is None:       # the model's defaults (``LLM.default_request``)
+                params, cap = self.llm.default_request()
+            self.engine.add_request(request_id, prompt, params, cap)
         except Exception as e:   # ValueError / TypeError naming the field go back to the caller
             admitted.set_exception(e)
         else:

@@ -182,8 +182,8 @@ def _bench(args) -> int:
 
 
 # carried over as they are: the tokenizer, the generation config, and an n-gram draft table
-CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                 "ngram_table.safetensors")
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja", "generation_config.json", "ngram_table.safetensors")
 
 
 def _convert(args) -> int:

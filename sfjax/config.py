@@ -152,6 +152,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rp = hf.get("rope_parameters")
     if rp is None:
         return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+    rp = {"rope_type": "default", **rp} if isinstance(rp, dict) and "type" not in rp else rp
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
         raise ValueError(f"config.json: rope_parameters {rp!r} is not supported (one dict for "
                          f"every layer, as Llama's)")
@@ -161,7 +162,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def _rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
     if not rs:
         return None
-    kind = rs.get("rope_type", rs.get("type", "default"))
+    kind = rs.get("rope_type", rs.get("type"))
     if kind == "default":
         return None
     if kind not in ("llama3", "linear"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Sequence
@@ -113,9 +114,10 @@ class LLM:
                              f"divide the target's tensor_parallel_size ({target_tp})")
         self.model_path = model
         self.model_config = ModelConfig.from_folder(model, dtype)
-        self._sampling_defaults = sampling_defaults(model)
+        # the SamplingParams fields generation_config.json sets (``get_default_sampling_params``)
+        self.generation_defaults = sampling_defaults(model)
         try:
-            SamplingParams(**self._sampling_defaults)
+            SamplingParams(**self.generation_defaults)
         except (ValueError, TypeError) as e:
             raise type(e)(f"generation_config.json: {e}") from None
         self.tokenizer = load_tokenizer(tokenizer or model)
@@ -135,7 +137,15 @@ class LLM:
         """vLLM's: SamplingParams with the model's generation_config.json defaults (temperature,
         top_p, top_k, min_p, repetition_penalty; max_new_tokens as max_tokens), what
         ``generate`` uses when given none."""
-        return SamplingParams(**self._sampling_defaults)
+        return SamplingParams(**self.generation_defaults)
+
+    def default_request(self) -> tuple[SamplingParams, int | None]:
+        """(params, max_tokens cap) of a request given no SamplingParams: the model's defaults,
+        its max_new_tokens a cap on the rest of the context (``Engine.prepare``), so a long
+        prompt is not refused for it; without one, vLLM's 16 tokens."""
+        cap = self.generation_defaults.get("max_tokens")
+        params = self.get_default_sampling_params()
+        return (params, None) if cap is None else (dataclasses.replace(params, max_tokens=None), cap)
 
     def reset_prefix_cache(self) -> None:
         """Forgets the prefix cache's blocks (outputs never depend on it, only speed does)."""
@@ -157,12 +167,12 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
-            params = [sampling_params if sampling_params is not None
-                      else self.get_default_sampling_params()] * len(prompts)
+            params = [sampling_params] * len(prompts)
         requests, arrivals = [], self.engine._arrivals
         for i, (prompt, p) in enumerate(zip(prompts, params)):
+            p, cap = (p, None) if p is not None else self.default_request()
             try:
-                requests.append(self.engine.prepare(self._new_id(), prompt, p))
+                requests.append(self.engine.prepare(self._new_id(), prompt, p, cap))
             except ValueError as e:       # InvalidType is one too
                 self.engine._arrivals = arrivals     # nothing of the call happened
                 raise type(e)(f"prompt {i}: {e}") from None

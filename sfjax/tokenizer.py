@@ -29,18 +29,20 @@ def eos_ids(model_path: str, tokenizer_path: str, tokenizer: Tokenizer, vocab_si
             fallback: tuple[int, ...]) -> tuple[int, ...]:
     """The ids that end a sequence, as vLLM takes them: generation_config.json's
     ``eos_token_id``, else config.json's (``fallback``), and the tokenizer's own ``eos_token``
-    (tokenizer_config.json: an instruct model's end of turn, where generation_config.json is
-    missing or older than the tokenizer)."""
+    (special_tokens_map.json's, else tokenizer_config.json's: an instruct model's end of turn,
+    where generation_config.json is missing or older than the tokenizer)."""
     ids, eos = fallback, generation_config(model_path).get("eos_token_id")
     if eos is not None:
         ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
-    file = os.path.join(tokenizer_path, "tokenizer_config.json")
-    if os.path.exists(file):
-        token = read_json(file).get("eos_token")
-        token = token.get("content") if isinstance(token, dict) else token
-        own = tokenizer.token_to_id(token) if isinstance(token, str) else None
-        if own is not None and own < vocab_size and own not in ids:
-            ids += (own,)
+    token = None          # special_tokens_map.json's wins over tokenizer_config.json's
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = os.path.join(tokenizer_path, name)
+        if os.path.exists(file):
+            token = read_json(file).get("eos_token") or token
+    token = token.get("content") if isinstance(token, dict) else token
+    own = tokenizer.token_to_id(token) if isinstance(token, str) else None
+    if own is not None and own < vocab_size and own not in ids:
+        ids += (own,)
     return ids
 
 
@@ -53,7 +55,8 @@ class IncrementalDetokenizer:
 
     The text is ``decode(context + ids)`` past ``decode(context)``, except where bytes that do
     not form UTF-8 follow text already given out: a decode of every id at once turns the bytes
-    before them to U+FFFD too (HF's ByteFallback), the text keeps what it gave."""
+    before them to U+FFFD too (HF's ByteFallback), the text keeps what it gave. A prompt that
+    ends inside a character leaves its bytes to the output, which completes it (vLLM's)."""
 
     CONTEXT = 5             # prompt tokens decoded before the output's
 
@@ -62,6 +65,10 @@ class IncrementalDetokenizer:
         self._tok, self._skip = tokenizer, skip_special_tokens
         self._ids = list(prompt_ids[-self.CONTEXT:])
         self._start, self._read = 0, len(self._ids)    # the window's context; ids in the text
+        for _ in range(3):     # a prompt ending inside a character: the output completes it
+            if self._read == 0 or not self._decode(self._ids[:self._read]).endswith("\ufffd"):
+                break
+            self._read -= 1
         self._undo = None
         self.text = ""
 
@@ -81,8 +88,11 @@ class IncrementalDetokenizer:
         self._undo = None
         self._advance(final=True)
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
     def _advance(self, final: bool) -> str:
-        decode = lambda ids: self._tok.decode(ids, skip_special_tokens=self._skip)
+        decode = self._decode
         before, after = decode(self._ids[self._start:self._read]), decode(self._ids[self._start:])
         if after == before or not final and after.endswith("\ufffd"):
             return ""

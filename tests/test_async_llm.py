@@ -361,10 +361,11 @@ def test_request_failure(tiny_folder, llm):
 
 def test_the_models_generation_config_sets_the_sampling_defaults(tiny_folder, tmp_path):
     """As in vLLM, generation_config.json's temperature, top_p, top_k, min_p,
-    repetition_penalty and max_new_tokens are the defaults: of ``LLM.generate`` given no
-    SamplingParams, and of the server's requests for the fields they leave out (both ran at
-    temperature 1, 16 tokens); a field a request sets wins, and a bad value is refused when the
-    model loads, naming the file."""
+    repetition_penalty and max_new_tokens are the defaults: of ``LLM.generate`` and
+    ``AsyncLLM.generate`` given no SamplingParams, and of the server's requests for the fields
+    they leave out (all ran at temperature 1, 16 tokens); a field a request sets wins, except
+    that max_new_tokens caps max_tokens; a cap past the room a prompt leaves is no error; a bad
+    value is refused when the model loads, naming the file."""
     import shutil
 
     from sfjax.serve.app import build_app
@@ -376,10 +377,9 @@ def test_the_models_generation_config_sets_the_sampling_defaults(tiny_folder, tm
     llm = LLM(str(folder), max_num_seqs=2, max_model_len=64)
     own = llm.get_default_sampling_params()
     assert (own.temperature, own.max_tokens, own.repetition_penalty) == (0.0, 5, 1.3)
-    greedy = llm.generate("def f", SamplingParams(temperature=0.0, max_tokens=5,
-                                                  repetition_penalty=1.3), use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate("def f", own, use_tqdm=False)[0].outputs[0]
     assert llm.generate("def f", use_tqdm=False)[0].outputs[0].token_ids == greedy.token_ids
-    sampled = llm.generate("def f", SamplingParams(temperature=1.0, seed=3, max_tokens=7,
+    sampled = llm.generate("def f", SamplingParams(temperature=1.0, seed=3, max_tokens=5,
                                                    repetition_penalty=1.3), use_tqdm=False)
     engine = AsyncLLM.from_llm(llm)
     app = build_app(engine, "m", str(folder))
@@ -392,10 +392,29 @@ def test_the_models_generation_config_sets_the_sampling_defaults(tiny_folder, tm
             r = (await post()).json()["choices"][0]
             assert r["token_ids"] == greedy.token_ids
             r = (await post(temperature=1.0, seed=3, max_tokens=7)).json()["choices"][0]
-            assert r["token_ids"] == sampled[0].outputs[0].token_ids
+            assert r["token_ids"] == sampled[0].outputs[0].token_ids      # capped at 5
+            outs = [o async for o in engine.generate("def f", None, "none")]
+            assert outs[-1].outputs[0].token_ids == greedy.token_ids
         await engine.shutdown(timeout=1.0)
 
     asyncio.run(main())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 100}))
+    llm = LLM(str(folder), max_num_seqs=2, max_model_len=64)
+    out = llm.generate({"prompt_token_ids": [5] * 60}, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"     # the room left
     (folder / "generation_config.json").write_text(json.dumps({**gen, "temperature": -1}))
     with pytest.raises(ValueError, match="generation_config.json: .*temperature"):
         LLM(str(folder), max_num_seqs=2, max_model_len=64)
+
+def test_a_requests_max_tokens_as_vllms_server_takes_it():
+    """Given: the request's, capped by the model's max_new_tokens (over the room left it is
+    refused later, naming max_tokens); omitted: the least of 16 (completions; chat: none), that
+    max_new_tokens and the room the prompt leaves; no room: None, for the engine to refuse the
+    prompt."""
+    from sfjax.serve.protocol import max_tokens_for
+
+    cap = {"max_tokens": 100}
+    assert max_tokens_for(200, 16, cap, 50) == 100 and max_tokens_for(200, 16, {}, 50) == 200
+    assert max_tokens_for(None, 16, cap, 50) == 16 and max_tokens_for(None, 16, cap, 9) == 9
+    assert max_tokens_for(None, None, cap, 500) == 100 and max_tokens_for(None, None, {}, 500) == 500
+    assert max_tokens_for(None, None, {}, None) is None and max_tokens_for(None, 16, cap, 0) is None

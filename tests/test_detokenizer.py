@@ -82,9 +82,10 @@ def sp_folder(tmp_path_factory):
 
 
 def test_an_engine_on_a_sentencepiece_model_streams_its_final_text(sp_folder):
-    """A random model on the SentencePiece tokenizer draws byte tokens freely: eight sampled
-    requests stream outputs whose texts each start the next one's, end as the final text,
-    and none fails."""
+    """A random model on the SentencePiece tokenizer draws byte tokens freely (every request
+    here meets bytes that are not UTF-8): eight sampled requests stream outputs whose texts
+    each start the next one's and end as the final text, decoded after the prompt, and none
+    fails."""
     llm = LLM(sp_folder, max_num_seqs=8, max_model_len=128)
     engine, tok = llm.engine, llm.get_tokenizer()
     for i in range(8):
@@ -97,11 +98,12 @@ def test_an_engine_on_a_sentencepiece_model_streams_its_final_text(sp_folder):
         for out in engine.step():
             assert out.outputs[0].finish_reason != "error", out.error
             texts.setdefault(out.request_id, []).append(out.outputs[0].text)
-            if out.finished:
-                ids = out.prompt_token_ids + out.outputs[0].token_ids
-                whole = tok.decode(ids, skip_special_tokens=True)
-                head = tok.decode(out.prompt_token_ids, skip_special_tokens=True)
-                assert whole == head + out.outputs[0].text or "\ufffd" in whole
+            if out.finished:     # the engine's text is the detokenizer's after the prompt
+                replay = IncrementalDetokenizer(tok, True, out.prompt_token_ids)
+                for t in out.outputs[0].token_ids:
+                    replay.add(t)
+                replay.finish()
+                assert out.outputs[0].text == replay.text
     assert len(texts) == 8
     for seq in texts.values():
         assert all(b.startswith(a) for a, b in zip(seq, seq[1:])), seq
@@ -124,3 +126,13 @@ def test_the_tokenizers_own_eos_ends_a_sequence(tmp_path):
     path.write_text(json.dumps(config))
     out = LLM(folder, max_num_seqs=1, max_model_len=64).generate("def", params, use_tqdm=False)
     assert out[0].outputs[0].token_ids == [300] and out[0].outputs[0].finish_reason == "stop"
+
+
+def test_a_prompt_ending_inside_a_character_leaves_it_to_the_output():
+    """A prompt of token ids can end in the first byte of a character whose second byte is the
+    first output token: the output's text starts with that character (vLLM's), not U+FFFD."""
+    tok = toy.build_sentencepiece_tokenizer()
+    word = tok.token_to_id("er")
+    prompt = tok.encode("hello").ids + [2 + 0xC3]                     # "é" is C3 A9
+    seen, text = _stream(tok, [2 + 0xA9, word], prompt)
+    assert seen == ["é", "éer"] and text == "éer"

@@ -187,9 +187,12 @@ class Engine:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def prepare(self, request_id: str, prompt: Any, params: SamplingParams | None) -> Request:
+    def prepare(self, request_id: str, prompt: Any, params: SamplingParams | None,
+                max_tokens_cap: int | None = None) -> Request:
         """Validates one request and builds its state; raises ValueError (TypeError for a wrong
-        type) naming the field. The request keeps its own checked copy of ``params``."""
+        type) naming the field. The request keeps its own checked copy of ``params``; with
+        ``max_tokens`` None it runs to the end of the context, or ``max_tokens_cap`` tokens
+        before it (a model's max_new_tokens)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise C.InvalidType(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -206,6 +209,8 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit}, which leaves no "
                              f"room for output")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if params.max_tokens is None and max_tokens_cap is not None:
+            max_tokens = min(max_tokens, max_tokens_cap)
         if len(ids) + max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({limit})")
@@ -257,8 +262,9 @@ class Engine:
         raise C.InvalidType(f"prompt must be a str or a dict with 'prompt_token_ids' (or 'prompt'), "
                             f"got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | None = None) -> None:
-        self.enqueue(self.prepare(request_id, prompt, sampling_params))
+    def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | None = None,
+                    max_tokens_cap: int | None = None) -> None:
+        self.enqueue(self.prepare(request_id, prompt, sampling_params, max_tokens_cap))
 
     def enqueue(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -614,7 +620,7 @@ class Engine:
             np.bool_(until_one_ends), np.int32(expect_live))
         if not with_logprobs:
             self.buckets.ran.add((len(batch.tokens), len(batch.logit_rows),
-                              None if draft is None else len(draft[0])))
+                                  None if draft is None else len(draft[0])))
         return out, logprobs, drawn if read_drawn else None
 
     def _run_padding(self, shape: tuple, with_logprobs: bool = False) -> None:

@@ -15,7 +15,7 @@ among them (default 24; ``SFJAX_EXECUTABLE_CACHE``; the new engine's own program
 whatever they hold): rebuilding the same engine, as a test suite or an evaluation loop does,
 compiles once, and the memory held is bounded by that many executables plus the live
 engines'. Shapes, not programs, are what cost: an engine compiles one executable per shape bucket
-it meets (``Engine._shape``), and on XLA:CPU each takes about three memory maps per kernel (about
+it meets (``compile.Buckets.shape``), and on XLA:CPU each takes about three memory maps per kernel (about
 900 for the tiny test model's round) of the kernel's 65,530 per process.
 """
 

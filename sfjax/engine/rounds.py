@@ -4,7 +4,7 @@ out for the slots its progress marks live, the first of them with the rows the h
 cache, history and blocks, traced once per shape bucket.
 
 Every decoding request is a live slot: the device lays out its rows (``functional._layout``)
-after the host's, in a bucket the engine has compiled (``Engine._shape``). A call with host
+after the host's, in a bucket the engine has compiled (``compile.Buckets.shape``). A call with host
 rows, or while a waiting request could be admitted, runs one round; else up to
 ``num_scheduler_steps`` in one ``lax.while_loop``, left once every row has ended, or once one
 has while others wait for a slot. Each row's bits do not depend on the layout (row tiles), and

@@ -22,8 +22,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from sfjax.async_llm import AsyncLLM, EngineClosed, EngineOverloaded, EngineStepFailed
-from sfjax.chat import ChatTemplate
-from sfjax.config import sampling_defaults
 from sfjax.serve import protocol as P
 from sfjax.serve.protocol import APIError
 
@@ -98,8 +96,8 @@ class Server:
 
     def __init__(self, engine: AsyncLLM, model_name: str, model_path: str, metrics=None):
         self.engine, self.model_name, self.model_path = engine, model_name, model_path
-        self.chat_template = ChatTemplate(model_path)
-        self.defaults = sampling_defaults(model_path)      # the model's, as vLLM takes them
+        self.chat_template = engine.llm.chat_template       # the tokenizer folder's
+        self.defaults = engine.llm.generation_defaults      # the model's, as vLLM takes them
         self.metrics = metrics
         self.tokenizer = engine.get_tokenizer()
 
@@ -122,11 +120,22 @@ class Server:
             raise _engine_error(e) from None
         return first, gen
 
+    def _room(self, ids) -> int | None:
+        """The tokens max_model_len leaves after a prompt of ``ids`` (None: not counted)."""
+        return None if ids is None else self.engine.engine.config.max_model_len - len(ids)
+
     # -- completions ---------------------------------------------------------------------------
 
     async def completions(self, req: P.CompletionRequest, raw: Request):
         self.check_model(req.model)
-        params, prompt = P.completion_params(req, self.defaults), P.completion_prompt(req)
+        prompt = P.completion_prompt(req)
+        if isinstance(prompt, str):      # counted here for max_tokens; the engine checks it
+            try:
+                prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt).ids}
+            except Exception:
+                pass
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        params = P.completion_params(req, self.defaults, self._room(ids))
         rid = f"cmpl-{uuid.uuid4().hex}"
         first, gen = await _unless_disconnected(raw, self.start(prompt, params, rid, {}))
         if req.stream:
@@ -179,10 +188,10 @@ class Server:
 
     async def chat(self, req: P.ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        params = P.chat_params(req, self.defaults)
         text = self._render(req.messages, req.add_generation_prompt)
         prompt = {"prompt": text,
                   "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False).ids}
+        params = P.chat_params(req, self.defaults, self._room(prompt["prompt_token_ids"]))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         first, gen = await _unless_disconnected(
             raw, self.start(prompt, params, rid, P.chat_renames(req)))

@@ -164,23 +164,39 @@ def sampling_params(req: _SamplingRequest, defaults: dict[str, Any], *, max_toke
         raise APIError(str(e), error_param(str(e), renames)) from None
 
 
-def completion_params(req: CompletionRequest, defaults: dict[str, Any]) -> SamplingParams:
+def max_tokens_for(given: int | None, base: int | None, defaults: dict[str, Any],
+                   room: int | None) -> int | None:
+    """A request's max_tokens as vLLM's server takes it: the request's (``given``), at most the
+    model's max_new_tokens (generation_config.json); without one, the least of ``base`` (16
+    for completions), that max_new_tokens and the ``room`` the prompt leaves in max_model_len
+    (None: the rest of the context, or a prompt with no room, which the engine refuses)."""
+    cap = defaults.get("max_tokens")
+    if given is not None:
+        return given if cap is None else min(given, cap)
+    if room is not None and room < 1:
+        return None
+    return min((x for x in (base, cap, room) if x is not None), default=None)
+
+
+def completion_params(req: CompletionRequest, defaults: dict[str, Any],
+                      room: int | None) -> SamplingParams:
     for field, ok in (("echo", not req.echo), ("suffix", req.suffix is None),
                       ("best_of", req.best_of in (None, 1))):
         if not ok:
             raise APIError(f"{field} is not offered", field)
-    limit = defaults.get("max_tokens", 16) if req.max_tokens is None else req.max_tokens
-    return sampling_params(req, defaults, max_tokens=limit, logprobs=req.logprobs, renames={})
+    return sampling_params(req, defaults, max_tokens=max_tokens_for(req.max_tokens, 16, defaults,
+                                                                    room),
+                           logprobs=req.logprobs, renames={})
 
 
-def chat_params(req: ChatCompletionRequest, defaults: dict[str, Any]) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, defaults: dict[str, Any],
+                room: int | None) -> SamplingParams:
     if req.tools:
         raise APIError("tools are not offered", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs = true", "top_logprobs")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return sampling_params(req, defaults,
-                           max_tokens=defaults.get("max_tokens") if limit is None else limit,
+    return sampling_params(req, defaults, max_tokens=max_tokens_for(limit, None, defaults, room),
                            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                            renames={"logprobs": "top_logprobs", **chat_renames(req)})
 
