@@ -55,8 +55,9 @@ class IncrementalDetokenizer:
 
     The text is ``decode(context + ids)`` past ``decode(context)``, except where bytes that do
     not form UTF-8 follow text already given out: a decode of every id at once turns the bytes
-    before them to U+FFFD too (HF's ByteFallback), the text keeps what it gave. A prompt that
-    ends inside a character leaves its bytes to the output, which completes it (vLLM's)."""
+    before them to U+FFFD too (HF's ByteFallback), the text keeps what it gave; and where the
+    output completes a character the prompt ends inside, that character is the output's
+    (vLLM's); the prompt's broken bytes are not, where it does not."""
 
     CONTEXT = 5             # prompt tokens decoded before the output's
 
@@ -65,10 +66,6 @@ class IncrementalDetokenizer:
         self._tok, self._skip = tokenizer, skip_special_tokens
         self._ids = list(prompt_ids[-self.CONTEXT:])
         self._start, self._read = 0, len(self._ids)    # the window's context; ids in the text
-        for _ in range(3):     # a prompt ending inside a character: the output completes it
-            if self._read == 0 or not self._decode(self._ids[:self._read]).endswith("\ufffd"):
-                break
-            self._read -= 1
         self._undo = None
         self.text = ""
 
@@ -91,13 +88,31 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
+    def _completed(self) -> tuple[str, int]:
+        """(the output's first text, where its next window starts) when the prompt ends in the
+        bytes of a character it does not finish: that character (in the prompt's last 1-3 ids,
+        whose text ends in U+FFFD) completed by the output, and the rest, the window from those
+        ids on; else the output's own text."""
+        for k in range(1, min(3, self._read - self._start) + 1):
+            tail = self._decode(self._ids[self._read - k:self._read])
+            text = self._decode(self._ids[self._read - k:])
+            text = text[len(os.path.commonprefix([tail, text])):]
+            if tail.endswith("\ufffd") and not text.startswith("\ufffd"):
+                return text, self._read - k
+        return self._decode(self._ids[self._read:]), self._read
+
     def _advance(self, final: bool) -> str:
         decode = self._decode
         before, after = decode(self._ids[self._start:self._read]), decode(self._ids[self._start:])
         if after == before or not final and after.endswith("\ufffd"):
             return ""
-        # bytes that break the text already given: the new ids' own text
-        piece = after[len(before):] if after.startswith(before) else decode(self._ids[self._read:])
+        start = self._read       # the next window: from the ids just given out
+        if after.startswith(before):
+            piece = after[len(before):]
+        elif not self.text:      # the prompt's last bytes may be a character the output completes
+            piece, start = self._completed()
+        else:                    # bytes that break the text already given: the new ids' own text
+            piece = decode(self._ids[self._read:])
         self.text += piece
-        self._start, self._read = self._read, len(self._ids)
+        self._start, self._read = start, len(self._ids)
         return piece

@@ -21,12 +21,12 @@ class Buckets:
     takes (``shape``), the ones its calls have run (``ran``), and those asked for but not yet
     compiled (``pending``)."""
 
-    def __init__(self, config, dp: int, spec, shard_of, small: bool, draft_small: bool):
+    def __init__(self, config, dp: int, spec, shard_of, run):
         """``config``: the engine's ``EngineConfig``; ``spec``: its ``Speculator`` or None;
-        ``shard_of``: a slot's data shard; ``small``, ``draft_small``: whether the target's and
-        the draft's small row tiles are certified."""
+        ``shard_of``: a slot's data shard; ``run``: its ``RunConfig`` (whether small row tiles
+        are certified for the target and the draft)."""
         self.config, self.dp, self.spec, self.shard_of = config, dp, spec, shard_of
-        self.small, self.draft_small = small, draft_small
+        self.small, self.draft_small = bool(run.small_tiles), bool(run.draft_small_tiles)
         self.ran: set[tuple] = set()          # the buckets calls have run in
         self.asked: dict[tuple, int] = {}     # calls that asked for each bucket (``fit``)
 

@@ -127,9 +127,7 @@ class Engine:
         self.state = self._initial_state()
         self.run = self._run_config(tiles(cfg, self.weights))
         self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
-        self.buckets = compile.Buckets(self.config, dp, self.spec, self.scheduler.shard_of,
-                                       bool(self.run.small_tiles),
-                                       bool(self.run.draft_small_tiles))
+        self.buckets = compile.Buckets(self.config, dp, self.spec, self.scheduler.shard_of, self.run)
         self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
         self.requests: dict[str, Request] = {}
         self._held: dict[str, RequestOutput] = {}      # outputs for the next step
