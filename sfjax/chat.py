@@ -50,9 +50,15 @@ def _message(m, i: int) -> dict:
     if role not in ROLES:
         raise ValueError(f"messages[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
     if isinstance(content, list):
-        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-            raise ValueError(f"messages[{i}].content: only text parts are offered")
+        if any(not isinstance(p, dict) or p.get("type") != "text"
+               or not isinstance(p.get("text", ""), str) for p in content):
+            raise ValueError(f"messages[{i}].content: only text parts (each a str) are offered")
         content = "".join(p.get("text", "") for p in content)
     if not isinstance(content, str):
         raise ValueError(f"messages[{i}].content must be a string or text parts")
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"messages[{i}].content is not valid text: must be valid UTF-8 "
+                         f"({e.reason} at position {e.start})") from None
     return {"role": role, "content": content}

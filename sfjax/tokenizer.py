@@ -59,12 +59,12 @@ class IncrementalDetokenizer:
     output completes a character the prompt ends inside, that character is the output's
     (vLLM's); the prompt's broken bytes are not, where it does not."""
 
-    CONTEXT = 5             # prompt tokens decoded before the output's
+    CONTEXT = (5, 24)       # prompt tokens decoded before the output's: the fewest that decode
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  prompt_ids: list[int] | tuple[int, ...] = ()):
         self._tok, self._skip = tokenizer, skip_special_tokens
-        self._ids = list(prompt_ids[-self.CONTEXT:])
+        self._ids = self._context(list(prompt_ids))
         self._start, self._read = 0, len(self._ids)    # the window's context; ids in the text
         self._undo = None
         self.text = ""
@@ -87,6 +87,19 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def _context(self, prompt: list[int]) -> list[int]:
+        """The prompt's last ids the output is decoded after: the fewest (5 to 24) that start at
+        a character, so that their text has no U+FFFD (HF's ByteFallback turns a whole run of
+        byte tokens to U+FFFD when the run starts inside a character, the output's bytes with
+        it), but for the bytes of a character the prompt ends inside (1-3 ids); else 5."""
+        low, high = self.CONTEXT
+        sizes = range(min(low, len(prompt)), min(high, len(prompt)) + 1)
+        for cut in (0, 1, 2, 3):
+            for n in sizes:
+                if n > cut and "\ufffd" not in self._decode(prompt[len(prompt) - n:len(prompt) - cut]):
+                    return prompt[len(prompt) - n:]
+        return prompt[len(prompt) - min(low, len(prompt)):]
 
     def _completed(self) -> tuple[str, int]:
         """(the output's first text, where its next window starts) when the prompt ends in the

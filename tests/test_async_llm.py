@@ -219,6 +219,9 @@ def test_app_refusals(tiny_folder, llm):
                              json={"messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
             assert "chat template" in r.json()["error"]["message"]
+            r = await c.post("/tokenize", content='{"prompt": "\\ud800"}',
+                             headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"   # was 500
             r = await c.post("/v1/completions", json={"prompt": "def f", "max_tokens": 3,
                                                       "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -273,6 +276,10 @@ def test_a_chat_template_in_chat_template_jinja_serves_chat(tiny_folder, tmp_pat
     assert got[0].prompt == want
     with pytest.raises(ValueError, match=r"messages\[0\].role: 'robot' is not one of"):
         llm.chat([{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match=r"messages\[0\].content: only text parts \(each a str\)"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}])     # a TypeError
+    with pytest.raises(ValueError, match=r"messages\[0\].content is not valid text"):
+        llm.chat([{"role": "user", "content": "\ud800"}])
 
 
 BAD_PROMPT = "raise Failure"

@@ -155,3 +155,26 @@ def test_a_prompt_ending_inside_a_character_leaves_it_to_the_output(tokenizer):
     assert seen[0] == "é" and text == decode(prompt + [byte(0xA9)] + word)[len("hello"):]
     seen, text = _stream(tok, word, prompt)
     assert text == decode(prompt + word)[len("hello\ufffd"):] and text.endswith(" the")
+
+
+def test_characters_spelled_in_byte_tokens_across_the_prompts_end():
+    """Llama-2-style vocabularies spell CJK and emoji in byte tokens, and HF's ByteFallback turns
+    a whole run of byte tokens to U+FFFD when it starts inside a character: the context the
+    output is decoded after starts at a character (the output's '世界' after '你好' came out
+    '������'). 2,000 strings of accented letters, euro signs and emoji, spelled mostly in
+    bytes and cut anywhere between prompt and output: the output's text is the end of the whole
+    decode, with no U+FFFD."""
+    tok = toy.build_sentencepiece_tokenizer()
+    spell = lambda ch, rng: ([2 + b for b in ch.encode()] if rng.random() < 0.7
+                             else tok.encode(ch, add_special_tokens=False).ids)
+    rng = random.Random(1)
+    for _ in range(2000):
+        ids = [0] + [i for ch in rng.choices(["é", "€", "😀", "a", " ", "ü", "你"], k=6)
+                     for i in spell(ch, rng)]
+        cut = rng.randrange(2, len(ids))
+        seen, text = _stream(tok, ids[cut:], ids[:cut])
+        whole = tok.decode(ids, skip_special_tokens=True)
+        assert whole.endswith(text) and "\ufffd" not in text and text.startswith(seen[0]), \
+            (ids[:cut], ids[cut:], text, whole)
+    prompt = [0] + [2 + b for b in "你好".encode()]
+    assert _stream(tok, [2 + b for b in "世界".encode()], prompt)[1] == "世界"

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from sfjax import checks as C
 from sfjax.async_llm import AsyncLLM, EngineClosed, EngineOverloaded, EngineStepFailed
 from sfjax.serve import protocol as P
 from sfjax.serve.protocol import APIError
@@ -235,7 +236,11 @@ class Server:
             text = self._render(req.messages, req.add_generation_prompt)
             ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         else:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids
+            try:
+                prompt = C.text("prompt", req.prompt)
+            except ValueError as e:
+                raise APIError(str(e), "prompt") from None
+            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens).ids
         return {"count": len(ids), "max_model_len": self.engine.engine.config.max_model_len,
                 "tokens": ids}
 
