@@ -96,7 +96,7 @@ def attention_block(x, kc, vc, i, lw, ctx):
     kc = kc.at[i, ctx.page, ctx.offset].set(k.astype(kc.dtype))
     vc = vc.at[i, ctx.page, ctx.offset].set(v.astype(vc.dtype))
     run = lambda q: paged_attention(q, kc, vc, i, ctx.block_tables, ctx.slots, ctx.positions,
-                                    sm_scale=float(cfg.head_dim) ** -0.5, row_tile=r.tile,
+                                    sm_scale=float(cfg.head_dim) ** -0.5, row_tile=r.tiling.tile,
                                     impl=ctx.attention)
     attn = sp.columns(sp.heads(run, q, cfg.num_heads), 1).astype(x.dtype)     # [N, heads, D]
     out = r.apply(lambda a: r.matmul(a.reshape(a.shape[0], -1), lw["wo"]), attn)

@@ -131,39 +131,38 @@ class Tiling:
     def rows(self, valid, split: bool = False) -> "Rows":
         """The ``Rows`` of a call whose ``valid`` rows are given; ``split``: the call runs under a
         mesh, whose bodies are not certified, so in whole tiles only."""
-        return Rows(valid, self.tile, () if split else self.small, self.kernel)
+        return Rows(valid, dataclasses.replace(self, small=()) if split else self)
 
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """A call's rows: ``valid`` (bool [N], traced; N a multiple of ``tile``), computed in tiles of
-    ``tile`` rows or in one of the certified ``small`` tiles when the valid rows fit it; or, with
-    a ``kernel`` (a ``pallas_kernels.matmul`` impl: "interpret", "triton", "mosaic_tpu"), all at
-    once, each matmul one batch-invariant Pallas launch over every row (the accelerator path)."""
+    """A call's rows: ``valid`` (bool [N], traced; N a multiple of the tile), computed as
+    ``tiling`` says: in tiles, or in one of the certified small tiles when the valid rows fit
+    it; or, with a kernel ("interpret", "triton", "mosaic_tpu"), all at once, each matmul one
+    batch-invariant Pallas launch over every row (the accelerator path)."""
     valid: Any
-    tile: int
-    small: tuple[int, ...] = ()
-    kernel: str | None = None
+    tiling: Tiling
 
     def apply(self, fn, *xs):
         """``fn`` (row-local: row r of its output depends on row r of its inputs only) over the
         rows of ``xs`` (pytrees of [N, ...] arrays); rows of skipped tiles come out zero (with a
         kernel, the matmuls' rows past the last valid one)."""
-        if self.kernel is not None:
+        t = self.tiling
+        if t.kernel is not None:
             return fn(*xs)
-        return per_tile_sized(fn, self.tile, self.small, self.valid, *xs)
+        return per_tile_sized(fn, t.tile, t.small, self.valid, *xs)
 
     def matmul(self, a, w, out_dtype=None, norm=None):
         """``a @ w`` (``w`` blocked, or a tuple of blocked weights: a tuple of products) for
         ``fn``s under ``apply``, ``a`` first RMS-normed by ``norm`` ((weight, eps)) if given:
         ``matmul`` on a tile, or one kernel launch over all rows (the norm its prologue),
         skipping row blocks past the last valid row."""
-        if self.kernel is None:
+        if self.tiling.kernel is None:
             a = a if norm is None else rms_norm(a, *norm)
             return (tuple(matmul(a, x, out_dtype) for x in w) if isinstance(w, tuple)
                     else matmul(a, w, out_dtype))
         last = jnp.max(jnp.where(self.valid, jnp.arange(1, self.valid.shape[0] + 1), 0))
-        return kernels.matmul(a, w, last, out_dtype=out_dtype, norm=norm, impl=self.kernel)
+        return kernels.matmul(a, w, last, out_dtype=out_dtype, norm=norm, impl=self.tiling.kernel)
 
 
 def rms_norm(x, w, eps):
