@@ -12,7 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# model_type -> the architecture config.json names: Mistral is Llama's network (a sliding window,
+# which sfjax does not implement, bounds its context: ``ModelConfig.context``)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -47,6 +50,8 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"                # "llama" or "mistral" (``ARCHITECTURES``)
+    sliding_window: int | None = None        # Mistral's: each query attends to its last W keys
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -60,14 +65,27 @@ class ModelConfig:
     def jnp_dtype(self):
         return _DTYPES[self.dtype]
 
+    @property
+    def context(self) -> tuple[int, str]:
+        """(the most positions sfjax runs this model at, what sets it): max_position_embeddings,
+        or a shorter sliding window. sfjax attends to every key of a sequence, which is the
+        window's attention exactly while a sequence holds at most ``sliding_window`` tokens."""
+        mpe = self.max_position_embeddings
+        if self.sliding_window is not None and self.sliding_window < mpe:
+            return self.sliding_window, (f"the model's sliding_window ({self.sliding_window}; "
+                                         f"sfjax has no sliding-window attention)")
+        return mpe, f"the model's max_position_embeddings ({mpe})"
+
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], dtype: str = "auto") -> "ModelConfig":
-        """Converts a LlamaForCausalLM ``config.json`` dict; raises ValueError on anything else."""
-        archs = hf.get("architectures") or ["LlamaForCausalLM"]
-        if hf.get("model_type", "llama") != "llama" or not set(archs) <= set(SUPPORTED_ARCHITECTURES):
+        """Converts a LlamaForCausalLM or MistralForCausalLM ``config.json`` dict; raises
+        ValueError on anything else."""
+        kind = hf.get("model_type", "llama")
+        archs = hf.get("architectures")
+        if kind not in ARCHITECTURES or archs not in (None, [], [ARCHITECTURES[kind]]):
             raise ValueError(
                 f"unsupported architecture {archs} (model_type={hf.get('model_type')!r}); "
-                f"sfjax serves {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"sfjax serves {', '.join(f'{a} ({t})' for t, a in ARCHITECTURES.items())}")
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"config.json: {flag}=true is not supported")
@@ -101,6 +119,11 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         theta, scaling = _rope(hf)
+        window = hf.get("sliding_window") if kind == "mistral" else None
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError(f"config.json: sliding_window {window!r} must be a positive int "
+                             f"or null")
         return cls(
             **cfg,
             rope_theta=theta,
@@ -111,6 +134,8 @@ class ModelConfig:
             dtype=dtype,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
+            model_type=kind,
+            sliding_window=window,
         )
 
     @classmethod
@@ -119,7 +144,7 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         out = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
@@ -131,6 +156,8 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
             else self.eos_token_ids[0],
         }
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
         rs = self.rope_scaling
         if rs is not None and rs.rope_type == "linear":
             out["rope_scaling"] = {"rope_type": "linear", "factor": rs.factor}

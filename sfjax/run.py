@@ -112,9 +112,9 @@ class RunConfig:
             spec.check_draft(self.model, self.max_model_len,
                              spec.model if isinstance(spec.model, ModelConfig) else None)
             object.__setattr__(self, "speculative_config", spec)
-        C.integer(f("max_model_len"), self.max_model_len, 2, self.model.max_position_embeddings,
-                  allowed=f"an int in [2, the model's max_position_embeddings "
-                          f"({self.model.max_position_embeddings})]")
+        limit, what = self.model.context
+        C.integer(f("max_model_len"), self.max_model_len, 2, limit,
+                  allowed=f"an int in [2, {what}]")
         check_settings("RunConfig", block_size=self.block_size, row_tile=self.row_tile,
                        sampler=self.sampler, layer_loop=self.layer_loop,
                        attention=self.attention, matmul=self.matmul)

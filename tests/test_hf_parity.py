@@ -256,6 +256,43 @@ def test_config_json_as_transformers_writes_it_means_the_same_model(name, tmp_pa
         ModelConfig.from_hf_config({**new, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_mistral_folders_run_as_hf_runs_them(window, model_folder, parity_ids):
+    """MistralForCausalLM is Llama's network with a sliding window of attention. sfjax attends to
+    every key, which is the window's attention exactly while a sequence holds at most
+    ``sliding_window`` tokens: the window bounds max_model_len (its default; past it refused,
+    naming the window), and within it the logits and greedy tokens are HF's."""
+    cfg = dataclasses.replace(CONFIGS["gqa"], model_type="mistral", sliding_window=window)
+    folder = model_folder(cfg, seed=GREEDY_SEED, std=GREEDY_STD)
+    assert ModelConfig.from_folder(folder) == cfg
+    written = cfg.to_hf_config()
+    for bad, match in (({"sliding_window": 0}, "sliding_window 0 must be a positive int"),
+                       ({"architectures": ["LlamaForCausalLM"]}, "unsupported architecture")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_config({**written, **bad})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "MistralForCausalLM" and hf.config.sliding_window == window
+    n = window or SEQ_LEN
+    diff = np.abs(sfjax_logits(folder, parity_ids[:n]) - hf_logits(hf, parity_ids[:n])).max()
+    assert diff <= PARITY_TOL, f"max |sfjax - HF Mistral| = {diff:.3g}"
+    if window is None:
+        return
+    # past the window HF's attention drops the oldest keys, so the limit is needed
+    past = parity_ids[:n + 20]
+    assert np.abs(sfjax_logits(folder, past) - hf_logits(hf, past))[n:].max() > 100 * PARITY_TOL
+    with pytest.raises(ValueError, match=r"max_model_len \(41\) must be <= the model's "
+                                         r"sliding_window \(40"):
+        LLM(folder, max_model_len=41)
+    llm = LLM(folder, max_num_seqs=1)
+    assert llm.engine.config.max_model_len == window
+    prompt = random_ids(12, seed=GREEDY_PROMPT_SEED)
+    gen = hf_greedy(hf, prompt, window - len(prompt))
+    assert top2_margins(trajectory_logits(hf, prompt, gen)).min() > MIN_MARGIN   # precondition
+    greedy = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)    # to the end
+    out = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == gen and out.finish_reason == "length"
+
+
 # ---------------------------------------------------------------------------------------------
 # b, c. greedy generation and text
 

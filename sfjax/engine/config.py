@@ -20,7 +20,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None       # None: enough for max_num_seqs full sequences, capped
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # by this many bytes of pages per device
-    max_model_len: int | None = None       # None: the model's max_position_embeddings
+    max_model_len: int | None = None       # None: the model's (ModelConfig.context)
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # None: max(512, max_num_seqs)
     row_tile: int = 8                      # rows per tile of every op; fixed => row-invariant bits

@@ -69,11 +69,11 @@ def host(tree):
 
 
 def _max_len(cfg: ModelConfig, config: EngineConfig) -> int:
-    """``max_model_len``, by default the model's ``max_position_embeddings`` (its maximum)."""
-    max_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
-    if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len ({max_len}) must be <= the model's "
-                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+    """``max_model_len``, by default the most the model runs at (``ModelConfig.context``)."""
+    limit, what = cfg.context
+    max_len = limit if config.max_model_len is None else config.max_model_len
+    if max_len > limit:
+        raise ValueError(f"max_model_len ({max_len}) must be <= {what}")
     return max_len
 
 

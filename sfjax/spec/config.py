@@ -145,9 +145,9 @@ class SpeculativeConfig:
 
     def draft_limit(self, max_model_len: int, draft: ModelConfig | None) -> int:
         """A row drafts only while length + k stays within this (``max_model_len``, and the
-        draft's max_position_embeddings)."""
+        draft's ``ModelConfig.context``)."""
         limit = self.max_model_len or max_model_len
-        return min(limit, draft.max_position_embeddings) if draft is not None else limit
+        return min(limit, draft.context[0]) if draft is not None else limit
 
     def speculates_at(self, num_running):
         """Whether a step with ``num_running`` requests (an int, or a traced count) speculates
