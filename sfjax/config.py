@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 
 # model_type -> the architecture config.json names: Mistral is Llama's network (a sliding window,
-# which sfjax does not implement, bounds its context: ``ModelConfig.context``)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+# which sfjax does not implement, bounds its context: ``ModelConfig.context``), Qwen2 Llama's
+# with biases on the q, k and v projections (``ModelConfig.qkv_bias``)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -50,7 +52,7 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    model_type: str = "llama"                # "llama" or "mistral" (``ARCHITECTURES``)
+    model_type: str = "llama"                # a key of ``ARCHITECTURES``
     sliding_window: int | None = None        # Mistral's: each query attends to its last W keys
 
     def __post_init__(self):
@@ -64,6 +66,11 @@ class ModelConfig:
     @property
     def jnp_dtype(self):
         return _DTYPES[self.dtype]
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q, k and v projections add a bias (Qwen2's)."""
+        return self.model_type == "qwen2"
 
     @property
     def context(self) -> tuple[int, str]:
@@ -119,6 +126,10 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         theta, scaling = _rope(hf)
+        if kind == "qwen2" and (hf.get("use_sliding_window") or "sliding_attention" in (
+                hf.get("layer_types") or ())):
+            raise ValueError("config.json: use_sliding_window=true is not supported (sfjax "
+                             "attends to every key)")
         window = hf.get("sliding_window") if kind == "mistral" else None
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
@@ -158,6 +169,8 @@ class ModelConfig:
         }
         if self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen2":
+            out["use_sliding_window"] = False
         rs = self.rope_scaling
         if rs is not None and rs.rope_type == "linear":
             out["rope_scaling"] = {"rope_type": "linear", "factor": rs.factor}

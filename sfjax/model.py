@@ -24,7 +24,7 @@ from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, rope_frequencies
 from sfjax.rows import matmul
 from sfjax.sharding import Split
-from sfjax.weights import LAYER_FIELDS, Weights
+from sfjax.weights import LAYER_FIELDS, Weights, layers as layer_fields
 
 
 def rope_angles(positions, inv_freq):
@@ -74,6 +74,8 @@ def qkv(x, positions, lw, cfg: ModelConfig, inv_freq, mm=matmul):
     product, ``mm``: ``Rows.matmul``), RoPE."""
     t = x.shape[0]
     q, k, v = mm(x, (lw["wq"], lw["wk"], lw["wv"]), norm=(lw["attn_norm"], cfg.rms_norm_eps))
+    if cfg.qkv_bias:
+        q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
     q, k, v = (a.reshape(t, -1, cfg.head_dim) for a in (q, k, v))
     angles, zero = rope_angles(positions, inv_freq), rows.opaque_zero(positions)
     return rope(q, angles, zero), rope(k, angles, zero), v
@@ -149,9 +151,10 @@ def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_t
     if isinstance(weights.wq, (tuple, list)):       # split_layers: one array per layer, unrolled
         for i in range(cfg.num_layers):
             taken = take(taken, carry[0], i) if i in features else taken
-            carry = decoder_layer(carry, {f: getattr(weights, f)[i] for f in LAYER_FIELDS}, i, ctx)
+            carry = decoder_layer(carry, {f: x[i] for f, x in layer_fields(weights).items()},
+                                  i, ctx)
     else:                                           # stacked: lax.scan over the layer axis
-        layers = {f: getattr(weights, f) for f in LAYER_FIELDS}
+        layers = layer_fields(weights)
 
         def layer(c, xs):
             carry, taken = c

@@ -224,7 +224,7 @@ def _relayout(weights: Weights, fn, blocked: bool) -> Weights:
     """``fn`` applied to every matrix that is in the blocked layout (``blocked``) or the plain one;
     stacked or split by layer."""
     def one(name, x):
-        if x is None or name == "embed" or name.endswith("norm"):
+        if x is None or name == "embed" or name.endswith(("norm", "bias")):
             return x
         if isinstance(x, (tuple, list)):
             return tuple(fn(a) if (a.ndim == 3) == blocked else a for a in x)

@@ -23,9 +23,12 @@ def forward(w: W.Weights, tokens, cfg: ModelConfig, features: tuple[int, ...] = 
 
     def layer(x, lw):
         h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        q = (h @ lw["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = (h @ lw["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = (h @ lw["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = h @ lw["wq"], h @ lw["wk"], h @ lw["wv"]
+        if cfg.qkv_bias:
+            q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         angles = rope_angles(positions, inv_freq)
         q, k = rope(q, angles), rope(k, angles)
         attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)   # [B, T, heads, hd]
@@ -33,7 +36,7 @@ def forward(w: W.Weights, tokens, cfg: ModelConfig, features: tuple[int, ...] = 
         h = rms_norm(out, lw["mlp_norm"], cfg.rms_norm_eps)
         return out + (jax.nn.silu(h @ lw["w_gate"]) * (h @ lw["w_up"])) @ lw["w_down"], x
 
-    x, inputs = jax.lax.scan(layer, w.embed[tokens], {f: getattr(w, f) for f in W.LAYER_FIELDS})
+    x, inputs = jax.lax.scan(layer, w.embed[tokens], W.layers(w))
     x = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
     logits = x @ (w.embed.T if w.lm_head is None else w.lm_head)
     if not features:

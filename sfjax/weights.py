@@ -38,6 +38,9 @@ class Weights:
     w_down: jax.Array       # [L, ffn, d]
     final_norm: jax.Array   # [d]
     lm_head: jax.Array | None  # [d, vocab]; None when tied to embed
+    q_bias: jax.Array | None = None  # [L, heads * head_dim]; None without (``ModelConfig.qkv_bias``)
+    k_bias: jax.Array | None = None  # [L, kv_heads * head_dim]
+    v_bias: jax.Array | None = None  # [L, kv_heads * head_dim]
 
 
 class ArrayInfo(NamedTuple):
@@ -68,6 +71,10 @@ def describe(cfg: ModelConfig) -> dict[str, ArrayInfo]:
     }
     if not cfg.tie_word_embeddings:
         out["lm_head"] = ArrayInfo((d, V), ("embed", "vocab"), "lm_head.weight", True, "normal")
+    if cfg.qkv_bias:
+        for name, n, axis in (("q", q, "q_heads"), ("k", kv, "kv_heads"), ("v", kv, "kv_heads")):
+            out[f"{name}_bias"] = ArrayInfo((L, n), ("layers", axis),
+                                            p + f"self_attn.{name}_proj.bias", False, "normal")
     return out
 
 
@@ -105,7 +112,13 @@ def init_random(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
     return Weights(**arrays)
 
 
-LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
+                "q_bias", "k_bias", "v_bias")
+
+
+def layers(weights: Weights) -> dict:
+    """The per-layer fields ``weights`` holds (the biases only where the model has them)."""
+    return {f: getattr(weights, f) for f in LAYER_FIELDS if getattr(weights, f) is not None}
 
 
 def split_layers(weights: Weights) -> Weights:
@@ -114,8 +127,7 @@ def split_layers(weights: Weights) -> Weights:
     if isinstance(weights.wq, (tuple, list)):
         return weights
     # indexed, not iterated: an array sharded over several processes' devices can't be iterated
-    split = {f: tuple(getattr(weights, f)[i] for i in range(getattr(weights, f).shape[0]))
-             for f in LAYER_FIELDS}
+    split = {f: tuple(x[i] for i in range(x.shape[0])) for f, x in layers(weights).items()}
     return dataclasses.replace(weights, **split)
 
 
@@ -125,6 +137,10 @@ def check(weights: Weights, cfg: ModelConfig) -> None:
     info = describe(cfg)
     if cfg.tie_word_embeddings != (weights.lm_head is None):
         raise ValueError(f"weights.lm_head: expected {'None (tied)' if cfg.tie_word_embeddings else 'an array'}")
+    for name in ("q_bias", "k_bias", "v_bias"):
+        if (getattr(weights, name) is None) == (name in info):
+            raise ValueError(f"weights.{name}: expected "
+                             f"{'an array' if name in info else 'None (the model has no bias)'}")
     for name, a in info.items():
         x = getattr(weights, name)
         parts = [(name, x, a.shape)]

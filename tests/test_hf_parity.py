@@ -256,41 +256,63 @@ def test_config_json_as_transformers_writes_it_means_the_same_model(name, tmp_pa
         ModelConfig.from_hf_config({**new, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
 
 
-@pytest.mark.parametrize("window", [None, 40])
-def test_mistral_folders_run_as_hf_runs_them(window, model_folder, parity_ids):
-    """MistralForCausalLM is Llama's network with a sliding window of attention. sfjax attends to
-    every key, which is the window's attention exactly while a sequence holds at most
-    ``sliding_window`` tokens: the window bounds max_model_len (its default; past it refused,
-    naming the window), and within it the logits and greedy tokens are HF's."""
-    cfg = dataclasses.replace(CONFIGS["gqa"], model_type="mistral", sliding_window=window)
-    folder = model_folder(cfg, seed=GREEDY_SEED, std=GREEDY_STD)
+@pytest.mark.parametrize("model_type,window", [("mistral", None), ("mistral", 40),
+                                               ("qwen2", None)])
+def test_mistral_and_qwen2_folders_run_as_hf_runs_them(model_type, window, model_folder,
+                                                       parity_ids):
+    """MistralForCausalLM is Llama's network with a sliding window of attention, Qwen2ForCausalLM
+    Llama's with biases on q, k and v. sfjax attends to every key, which is the window's
+    attention exactly while a sequence holds at most ``sliding_window`` tokens: the window bounds
+    max_model_len (its default; past it refused, naming the window). Within it the logits and
+    greedy tokens are HF's, and speculation and batching keep a request's tokens."""
+    cfg = dataclasses.replace(CONFIGS["gqa"], model_type=model_type, sliding_window=window)
+    folder = model_folder(cfg, seed=PARITY_SEED, std=PARITY_STD)
     assert ModelConfig.from_folder(folder) == cfg
     written = cfg.to_hf_config()
-    for bad, match in (({"sliding_window": 0}, "sliding_window 0 must be a positive int"),
+    for bad, match in (({"sliding_window": 0, "model_type": "mistral",
+                         "architectures": ["MistralForCausalLM"]},
+                        "sliding_window 0 must be a positive int"),
+                       ({"use_sliding_window": True, "model_type": "qwen2",
+                         "architectures": ["Qwen2ForCausalLM"]}, "use_sliding_window"),
                        ({"architectures": ["LlamaForCausalLM"]}, "unsupported architecture")):
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_config({**written, **bad})
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "MistralForCausalLM" and hf.config.sliding_window == window
+    assert type(hf).__name__ == written["architectures"][0]
+    if model_type == "qwen2":                          # the biases are there and matter
+        assert hf.model.layers[0].self_attn.k_proj.bias.abs().min() > 0
     n = window or SEQ_LEN
     diff = np.abs(sfjax_logits(folder, parity_ids[:n]) - hf_logits(hf, parity_ids[:n])).max()
-    assert diff <= PARITY_TOL, f"max |sfjax - HF Mistral| = {diff:.3g}"
-    if window is None:
+    assert diff <= PARITY_TOL, f"max |sfjax - HF {model_type}| = {diff:.3g}"
+    if window is not None:
+        # past the window HF's attention drops the oldest keys, so the limit is needed
+        past = parity_ids[:n + 20]
+        assert np.abs(sfjax_logits(folder, past) - hf_logits(hf, past))[n:].max() > 0.01
+        with pytest.raises(ValueError, match=r"max_model_len \(41\) must be <= the model's "
+                                             r"sliding_window \(40"):
+            LLM(folder, max_model_len=41)
+    if model_type == "mistral" and window is None:
         return
-    # past the window HF's attention drops the oldest keys, so the limit is needed
-    past = parity_ids[:n + 20]
-    assert np.abs(sfjax_logits(folder, past) - hf_logits(hf, past))[n:].max() > 100 * PARITY_TOL
-    with pytest.raises(ValueError, match=r"max_model_len \(41\) must be <= the model's "
-                                         r"sliding_window \(40"):
-        LLM(folder, max_model_len=41)
-    llm = LLM(folder, max_num_seqs=1)
-    assert llm.engine.config.max_model_len == window
+    # greedy to the end of the context, alone; then speculating among other requests
+    folder = model_folder(cfg, seed=GREEDY_SEED, std=GREEDY_STD)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    limit = window or 40
     prompt = random_ids(12, seed=GREEDY_PROMPT_SEED)
-    gen = hf_greedy(hf, prompt, window - len(prompt))
+    gen = hf_greedy(hf, prompt, limit - len(prompt))
     assert top2_margins(trajectory_logits(hf, prompt, gen)).min() > MIN_MARGIN   # precondition
     greedy = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)    # to the end
-    out = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0]
+    alone = LLM(folder, max_num_seqs=1, max_model_len=None if window else limit)
+    assert alone.engine.config.max_model_len == limit
+    out = alone.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == gen and out.finish_reason == "length"
+    batch = [{"prompt_token_ids": p} for p in
+             (random_ids(5, seed=9), prompt, random_ids(6, seed=10) * 2)]
+    spec = LLM(folder, max_num_seqs=4, max_model_len=None if window else limit, speculative_config={
+        "method": "draft_model", "model": folder, "num_speculative_tokens": 3})   # all accepted
+    outs = spec.generate(batch, SamplingParams(temperature=0, max_tokens=limit - len(prompt),
+                                               ignore_eos=True), use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == gen
+    assert spec.get_metrics()["spec_decode"]["num_accepted_tokens"] > 0
 
 
 # ---------------------------------------------------------------------------------------------
