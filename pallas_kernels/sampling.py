@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -80,7 +81,8 @@ def _filter(x, top_k, top_p, min_p):
     v = x.shape[-1]
     k_target = jnp.where((top_k > 0) & (top_k < v), top_k, v + 1).astype(jnp.float32)
     x = jnp.where(keys >= _threshold(keys, jnp.ones_like(x), k_target)[:, None], x, -jnp.inf)
-    p_target = jnp.where(top_p < 1.0, top_p, 2.0)
+    # at least the top token, however small top_p is (a subnormal one is 0 where flushed)
+    p_target = jnp.where(top_p < 1.0, jnp.maximum(top_p, np.finfo(np.float32).tiny), 2.0)
     return jnp.where(keys >= _threshold(keys, _softmax(x), p_target)[:, None], x, -jnp.inf)
 
 

@@ -287,6 +287,24 @@ def test_top_k_1_equals_greedy(llm):
     assert top1 == greedy
 
 
+@pytest.mark.parametrize("top_p", [1e-30, 1e-38, 1e-45])
+def test_the_smallest_top_p_keeps_the_top_token(llm, top_p):
+    """top_p keeps at least the most likely token, as in vLLM, however small: a top_p that is
+    subnormal (1e-38) or zero (1e-45) in float32 kept none, and every draw was token 0, even
+    where allowed_token_ids or min_tokens ruled it out."""
+    logits = np.random.default_rng(0).standard_normal((4, 40)).astype(np.float32)
+    bits = S.noise_bits(jnp.zeros((4, 2), jnp.uint32), jnp.arange(4), 40)
+    one = lambda x: np.full(4, x, np.float32)
+    tokens = K.sample_reference(logits, bits, one(1.0), one(0).astype(np.int32), one(top_p), one(0))
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+    prompts = _prompts(3, seed=4)
+    run = lambda **kw: _ids(llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True,
+                                                                 **kw), use_tqdm=False))
+    assert run(temperature=1.3, top_p=top_p, seed=5) == run(temperature=0)
+    allowed = dict(allowed_token_ids=[7, 8], min_tokens=6, stop_token_ids=[0])
+    assert run(temperature=1.3, top_p=top_p, seed=5, **allowed) == run(temperature=0, **allowed)
+
+
 def test_stop_strings(llm):
     prompt = _prompts(1, seed=4)[0]
     base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
