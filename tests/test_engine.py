@@ -372,6 +372,20 @@ def test_bad_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_text_the_tokenizer_spells_past_the_models_vocabulary_is_refused(model_folder, tmp_path):
+    """A tokenizer may hold more tokens than the model's embedding: a text prompt it spells with
+    such ids is refused, as the same ids given as prompt_token_ids are (it ran on clamped
+    embeddings), and the engine goes on."""
+    folder = shutil.copytree(model_folder(toy.tiny_config(vocab_size=300)), tmp_path / "m")
+    toy.save_tokenizer(str(folder), toy.build_tokenizer(512))
+    llm = LLM(str(folder), max_num_seqs=2, max_model_len=64)
+    text = "def f(x): return x"                     # ids up to 442 in the toy tokenizer
+    with pytest.raises(ValueError, match=r"prompt: the tokenizer gives token id 442, outside "
+                                         r"the model's vocabulary \[0, 300\)"):
+        llm.generate(text, GREEDY, use_tqdm=False)
+    assert len(llm.generate("hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
 def test_bad_model_folders(tmp_path, tiny_folder):
     with pytest.raises(ValueError, match="not a folder"):
         LLM(str(tmp_path / "missing"))

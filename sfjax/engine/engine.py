@@ -250,7 +250,12 @@ class Engine:
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         vocab = f"token ids in the vocabulary [0, {self.cfg.vocab_size})"
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(C.text("prompt", prompt)).ids
+            ids = self.tokenizer.encode(C.text("prompt", prompt)).ids
+            bad = next((t for t in ids if not 0 <= t < self.cfg.vocab_size), None)
+            if bad is not None:        # a tokenizer with more tokens than the model's embedding
+                raise ValueError(f"prompt: the tokenizer gives token id {bad}, outside the "
+                                 f"model's vocabulary [0, {self.cfg.vocab_size})")
+            return prompt, ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = C.int_list("prompt_token_ids", prompt["prompt_token_ids"], 0,
                              self.cfg.vocab_size - 1, allowed=vocab)
