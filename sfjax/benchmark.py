@@ -70,22 +70,73 @@ def warm_up(llm, one_pass: Callable[[], object]) -> tuple[float, int]:
     return time.perf_counter() - t, done
 
 
+def check_args(args) -> None:
+    """The workload's flags, refused naming the flag before anything loads: one rule for both
+    ``sfjax bench`` paths (offline and ``--base-url``)."""
+    from sfjax.checks import integer, real
+
+    integer("--num-prompts", args.num_prompts, 1, optional=True)
+    integer("--input-len", args.input_len, 1)
+    integer("--output-len", args.output_len, 1)
+    integer("--repeats", args.repeats, 1)
+    real("--request-rate", args.request_rate, 0.0, lo_open=True, finite=False)
+    integer("--max-concurrency", args.max_concurrency, 1, optional=True)
+
+
 def random_workload(num: int, input_len: int, output_len: int, vocab: int, seed: int) -> Workload:
     rng = np.random.default_rng(seed)
     ids = [rng.integers(3, vocab, input_len).tolist() for _ in range(num)]
     return Workload(ids, [output_len] * num, [None] * num)
 
 
+def read_prompts(path: str, num: int | None = None) -> list[str]:
+    """The first ``num`` (default: all) prompts of a text file (one per non-blank line) or a
+    JSONL file (a ``{"prompt": str}`` object per non-blank line); a ValueError naming
+    --prompts-file, the file and the line for a file that can't be read or a line that is not
+    such a prompt."""
+    from sfjax.checks import text
+
+    where = f"--prompts-file {path!r}"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ValueError(f"{where}: {e.strerror or e}") from None
+    jsonl = path.endswith(".jsonl")
+    prompts = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if num is not None and len(prompts) >= num:
+            break
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where} line {n}: not UTF-8 text ({e.reason} at byte "
+                             f"{e.start})") from None
+        if not line.strip():
+            continue
+        if jsonl:
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{where} line {n}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or "prompt" not in obj:
+                raise ValueError(f"{where} line {n}: must be a JSON object with a \"prompt\", "
+                                 f'e.g. {{"prompt": "def fib(n):"}}')
+            line = text(f"{where} line {n}: \"prompt\"", obj["prompt"])
+        prompts.append(line)
+    if not prompts:
+        raise ValueError(f"{where} has no prompts")
+    return prompts
+
+
 def file_workload(path: str, tokenizer, output_len: int, num: int | None) -> Workload:
     """Prompts from a text file (one per line) or a JSONL file ({"prompt": ...} per line)."""
-    with open(path) as f:
-        lines = [line.rstrip("\n") for line in f if line.strip()]
-    if path.endswith(".jsonl"):
-        lines = [json.loads(line)["prompt"] for line in lines]
-    lines = lines[:num] if num else lines
-    if not lines:
-        raise ValueError(f"--prompts-file: {path!r} has no prompts")
-    return Workload([tokenizer.encode(p).ids for p in lines], [output_len] * len(lines), lines)
+    return tokenized(read_prompts(path, num), tokenizer, output_len)
+
+
+def tokenized(prompts: list[str], tokenizer, output_len: int) -> Workload:
+    return Workload([tokenizer.encode(p).ids for p in prompts], [output_len] * len(prompts),
+                    prompts)
 
 
 def run_engine(llm, work: Workload, params) -> dict:

@@ -122,15 +122,21 @@ def _method(llm) -> str:
 
 
 def _bench(args) -> int:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    B.check_args(args)                                 # before anything is loaded
+    for flag, given in (("--max-concurrency", args.max_concurrency is not None),
+                        ("--request-rate", args.request_rate != float("inf")),
+                        ("--compare-offline", args.compare_offline)):
+        if given:
+            raise ValueError(f"{flag}: only with --base-url (offline, every request arrives at "
+                             f"t = 0 and at most --max-num-seqs run at once)")
+    params = _params(args, ignore_eos=True, stop=None)
+    prompts = B.read_prompts(args.prompts_file, args.num_prompts) if args.prompts_file else None
     llm = _llm(args)
-    if args.prompts_file:
-        work = B.file_workload(args.prompts_file, llm.get_tokenizer(), args.output_len, args.num_prompts)
+    if prompts is not None:
+        work = B.tokenized(prompts, llm.get_tokenizer(), args.output_len)
     else:
         work = B.random_workload(args.num_prompts or 32, args.input_len, args.output_len,
                                  llm.model_config.vocab_size, args.seed or 0)
-    params = _params(args, ignore_eos=True, stop=None)
     if args.precompile:
         compile_s = llm.engine.precompile(progress=not args.json)
         if not args.json:

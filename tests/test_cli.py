@@ -178,3 +178,90 @@ def test_serve_takes_only_the_flags_it_uses():
     for flag in (["--temperature", "0"], ["--top-p", "0.9"], ["--json"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *flag])
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("the model loaded before the flags were checked")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--port", "70000"], "--port = 70000 is out of range: must be an int in [0, 65535]"),
+    (["serve", "--port", "-1"], "--port = -1 is out of range: must be an int in [0, 65535]"),
+    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout = nan is out of range: must be a finite number >= 0"),
+    (["serve", "--shutdown-timeout", "inf"], "--shutdown-timeout = inf is out of range"),
+    (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout = -1.0 is out of range"),
+    (["serve", "--max-waiting", "-1"], "--max-waiting = -1 is out of range: must be an int >= 0"),
+    (["bench", "--num-prompts", "-1"], "--num-prompts = -1 is out of range: must be an int >= 1"),
+    (["bench", "--num-prompts", "0"], "--num-prompts = 0 is out of range: must be an int >= 1"),
+    (["bench", "--input-len", "-5"], "--input-len = -5 is out of range: must be an int >= 1"),
+    (["bench", "--input-len", "0"], "--input-len = 0 is out of range"),
+    (["bench", "--output-len", "0"], "--output-len = 0 is out of range: must be an int >= 1"),
+    (["bench", "--repeats", "0"], "--repeats = 0 is out of range: must be an int >= 1"),
+    (["bench", "--request-rate", "-1"], "--request-rate = -1.0 is out of range: must be a number > 0.0"),
+    (["bench", "--request-rate", "nan"], "--request-rate = nan is out of range"),
+    (["bench", "--max-concurrency", "0"], "--max-concurrency = 0 is out of range"),
+    (["bench", "--max-concurrency", "2"], "--max-concurrency: only with --base-url"),
+    (["bench", "--request-rate", "5"], "--request-rate: only with --base-url"),
+    (["bench", "--compare-offline"], "--compare-offline: only with --base-url"),
+    (["bench", "--top-p", "0"], "SamplingParams.top_p = 0.0 is out of range"),
+    (["bench", "--seed", "-1"], "SamplingParams.seed = -1 is out of range"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--input-len", "-5"], "--input-len = -5 is out of range"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--output-len", "0"], "--output-len = 0 is out of range"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--repeats", "0"], "--repeats = 0 is out of range"),
+])
+def test_bad_flags_are_refused_before_the_model_loads(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr("sfjax.cli._llm", _no_model)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith(f"sfjax {argv[0]}: error:")
+
+
+@pytest.mark.parametrize("base_url", [[], ["--base-url", "http://127.0.0.1:1"]])
+@pytest.mark.parametrize("name,content,message", [
+    ("p.jsonl", '{"prompt": "a"}\n\n{"text": "b"}\n',
+     "line 3: must be a JSON object with a \"prompt\""),
+    ("p.jsonl", '{"prompt": "a"}\n{bad\n', "line 2: not valid JSON"),
+    ("p.jsonl", '["a"]\n', "line 1: must be a JSON object with a \"prompt\""),
+    ("p.jsonl", '{"prompt": 5}\n', "line 1: \"prompt\" = 5 has type int: must be a str"),
+    ("p.jsonl", '{"prompt": "\\ud800"}\n', "line 1: \"prompt\" = '\\ud800' is not valid text"),
+    ("p.txt", b"ok\n\xff\xfe\n", "line 2: not UTF-8 text"),
+    ("p.txt", "\n  \n", "has no prompts"),
+])
+def test_bad_prompts_files_name_the_flag_the_file_and_the_line(name, content, message, base_url,
+                                                               tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("sfjax.cli._llm", _no_model)
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["bench", "--prompts-file", str(path), *base_url]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("sfjax bench: error: ")
+    assert f"--prompts-file {str(path)!r}" in err and message in err
+
+
+def test_missing_prompts_file_names_the_flag(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("sfjax.cli._llm", _no_model)
+    path = str(tmp_path / "none.txt")
+    assert main(["bench", "--prompts-file", path]) == 2
+    assert f"--prompts-file {path!r}: No such file" in capsys.readouterr().err
+
+
+def test_read_prompts_takes_the_first_num(tmp_path):
+    from sfjax import benchmark as B
+
+    (tmp_path / "p.txt").write_text("def f\n\nimport os\r\nclass A\n")
+    assert B.read_prompts(str(tmp_path / "p.txt")) == ["def f", "import os", "class A"]
+    assert B.read_prompts(str(tmp_path / "p.txt"), 2) == ["def f", "import os"]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n{bad\n')
+    assert B.read_prompts(str(tmp_path / "p.jsonl"), 2) == ["a", "b"]
+
+
+def test_serve_takes_port_zero_and_a_zero_shutdown_timeout():
+    """Port 0 asks the OS for a free port (as uvicorn does); 0 s of grace aborts at once."""
+    from sfjax.cli import build_parser
+    from sfjax.serve.cli import check_args
+
+    args = build_parser().parse_args(["serve", "--port", "0", "--shutdown-timeout", "0",
+                                      "--max-waiting", "0"])
+    check_args(args)
+    args = build_parser().parse_args(["serve", "--port", "65535"])
+    check_args(args)

@@ -132,13 +132,7 @@ def _workload(args, base_url: str) -> B.Workload:
     import httpx
 
     if args.prompts_file:
-        with open(args.prompts_file) as f:
-            lines = [line.rstrip("\n") for line in f if line.strip()]
-        if args.prompts_file.endswith(".jsonl"):
-            lines = [json.loads(line)["prompt"] for line in lines]
-        lines = lines[:args.num_prompts] if args.num_prompts else lines
-        if not lines:
-            raise ValueError(f"--prompts-file: {args.prompts_file!r} has no prompts")
+        lines = B.read_prompts(args.prompts_file, args.num_prompts)
         ids = [httpx.post(f"{base_url}/tokenize", json={"prompt": p}, timeout=30).json()["tokens"]
                for p in lines]
         return B.Workload(ids, [args.output_len] * len(ids), lines)
@@ -157,14 +151,11 @@ def _check(args) -> None:
     """The flags --base-url runs with, refused here naming the flag (not as a traceback or a
     silent default)."""
     from sfjax import SamplingParams
-    from sfjax.checks import integer, real
 
     if args.compare_hf:
         raise ValueError("--compare-hf: not with --base-url (--compare-offline compares the "
                          "server with an engine built here)")
-    real("--request-rate", args.request_rate, 0.0, lo_open=True, finite=False)
-    integer("--max-concurrency", args.max_concurrency, 1, optional=True)
-    integer("--num-prompts", args.num_prompts, 1, optional=True)
+    B.check_args(args)                     # the workload's flags: the offline path's rule
     SamplingParams(**_sampling(args))      # a bad value is refused before any request
 
 

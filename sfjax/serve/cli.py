@@ -91,7 +91,22 @@ class _Server:
         return Server(config)
 
 
+def check_args(args) -> None:
+    """The serve flags, refused naming the flag before the model loads (port 0: one the OS
+    picks)."""
+    from sfjax.checks import integer, real
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ")
+        args.model = args.model_tag
+    integer("--port", args.port, 0, 65535)
+    integer("--max-waiting", args.max_waiting, 0)
+    real("--shutdown-timeout", args.shutdown_timeout, 0.0)
+
+
 def run_serve(args) -> int:
+    check_args(args)
     import uvicorn
 
     from sfjax.async_llm import AsyncLLM
@@ -100,12 +115,6 @@ def run_serve(args) -> int:
     from sfjax.serve.app import build_app
     from sfjax.serve.metrics import ServerMetrics
 
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ")
-        args.model = args.model_tag
-    if args.max_waiting < 0:
-        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     llm = _llm(args, default_speculative_config() if args.model is None else None)
     if args.precompile:        # before the port opens: no request waits on a compile
         logger.info("sfjax serve: compiled every shape bucket in %.1f s",
