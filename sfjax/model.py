@@ -24,7 +24,7 @@ from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, rope_frequencies
 from sfjax.rows import matmul
 from sfjax.sharding import Split
-from sfjax.weights import LAYER_FIELDS, Weights, layers as layer_fields
+from sfjax.weights import BIAS_FIELDS, LAYER_FIELDS, Weights, layers as layer_fields
 
 
 def rope_angles(positions, inv_freq):
@@ -248,7 +248,7 @@ def logits(weights: Weights, hidden, cfg: ModelConfig, tiling: rows.Tiling = row
     if mesh is None:
         return fn(weights, hidden, num_rows)
     m = sharding.pad_to(n, mesh, tiling.tile)
-    lm = dataclasses.replace(weights, **{f: None for f in LAYER_FIELDS})
+    lm = dataclasses.replace(weights, **{f: None for f in LAYER_FIELDS + BIAS_FIELDS})
     out = sharding.shard_map(fn, mesh, in_specs=(sharding.weight_specs(lm, cfg, mesh),
                                                  P(sharding.DATA), P()),
                              out_specs=P(sharding.DATA))(lm, jnp.pad(hidden, ((0, m - n), (0, 0))),

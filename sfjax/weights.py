@@ -112,13 +112,15 @@ def init_random(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
     return Weights(**arrays)
 
 
-LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
-                "q_bias", "k_bias", "v_bias")
+LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+BIAS_FIELDS = ("q_bias", "k_bias", "v_bias")     # per layer too, where the model has them
 
 
 def layers(weights: Weights) -> dict:
-    """The per-layer fields ``weights`` holds (the biases only where the model has them)."""
-    return {f: getattr(weights, f) for f in LAYER_FIELDS if getattr(weights, f) is not None}
+    """The per-layer fields ``weights`` holds: ``LAYER_FIELDS``, and ``BIAS_FIELDS`` where the
+    model has them."""
+    return {f: getattr(weights, f) for f in LAYER_FIELDS + BIAS_FIELDS
+            if getattr(weights, f) is not None}
 
 
 def split_layers(weights: Weights) -> Weights:
@@ -137,7 +139,7 @@ def check(weights: Weights, cfg: ModelConfig) -> None:
     info = describe(cfg)
     if cfg.tie_word_embeddings != (weights.lm_head is None):
         raise ValueError(f"weights.lm_head: expected {'None (tied)' if cfg.tie_word_embeddings else 'an array'}")
-    for name in ("q_bias", "k_bias", "v_bias"):
+    for name in BIAS_FIELDS:
         if (getattr(weights, name) is None) == (name in info):
             raise ValueError(f"weights.{name}: expected "
                              f"{'an array' if name in info else 'None (the model has no bias)'}")
