@@ -76,7 +76,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int | None = None,
         raise ValueError(f"prompts: {len(prompts)} of up to {need} tokens don't fit [{batch}, {length}]")
     ids = np.zeros((batch, length), np.int32)
     for i, p in enumerate(prompts):
-        ids[i, :len(p)] = p
+        ids[i, :len(p)] = C.int_list(f"prompts[{i}]", list(p) if isinstance(p, np.ndarray) else p,
+                                     0, 2**31 - 1)
     return ids, np.array([len(p) for p in prompts] + [0] * (batch - len(prompts)), np.int32)
 
 
@@ -106,6 +107,11 @@ def place_weights(weights: W.Weights, cfg: Config, draft: bool = False) -> W.Wei
 
 
 def _weights(weights, draft_weights, cfg: Config):
+    if not isinstance(cfg, Config):
+        raise C.InvalidType(f"cfg: must be a functional.Config, got {type(cfg).__name__}")
+    if not isinstance(weights, W.Weights):
+        raise C.InvalidType(f"weights: must be a sfjax.weights.Weights, got "
+                            f"{type(weights).__name__}")
     weights = place_weights(weights, cfg)
     spec = cfg.speculative_config
     if spec is not None and spec.method == "ngram":     # draft_weights: the n-gram table, if any
@@ -172,34 +178,52 @@ def prefill(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg
     return _prefill(w, dw, prompt_ids, prompt_lens, sampling, cfg)
 
 
-def _rows_agree(prompt_ids, prompt_lens, sampling: Sampling) -> None:
-    """One row of ``prompt_lens`` and of every ``sampling`` field per prompt row (a gather
-    past a table's last row would silently take that row's settings); ValueError naming the
-    first that differs."""
+# each Sampling field's trailing shape ("*": any width) and kind of dtype
+_TABLE = {"key_data": ((2,), "uint32"), "stop_ids": (("*",), "int"), "bias_ids": (("*",), "int"),
+          "bias": (("*",), "float"), "allowed": (("*",), "int"), "top_k": ((), "int"),
+          "max_tokens": ((), "int"), "min_tokens": ((), "int")}
+_KINDS = {"int": (jnp.integer, "an integer type"), "float": (jnp.floating, "a float type"),
+          "uint32": (jnp.uint32, "uint32")}
+
+
+def _rows_agree(prompt_ids, prompt_lens, sampling: Sampling, vocab_size: int) -> None:
+    """``prompt_ids`` int [B, P] (B >= 1); ``prompt_lens`` and every ``sampling`` field one row
+    per prompt row (a gather past a table's last row would silently take that row's settings),
+    each of its shape and kind of dtype; the table's token ids in the vocabulary where the
+    table is on the host (as ``Sampling.from_params`` gives it). ValueError naming the first
+    field that does not fit."""
     if not isinstance(sampling, Sampling):
         raise C.InvalidType(f"sampling: must be a functional.Sampling, got {type(sampling).__name__}")
-    if np.ndim(prompt_ids) != 2:
-        raise ValueError(f"prompt_ids: must be int [B, P], got shape {np.shape(prompt_ids)}")
-    for name, x in (("prompt_ids", prompt_ids), ("prompt_lens", prompt_lens)):
-        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise C.InvalidType(f"{name}: dtype {dtype} must be an integer type")
-    s, p = np.shape(prompt_ids)
+    if not hasattr(prompt_ids, "shape") or len(prompt_ids.shape) != 2 or not prompt_ids.shape[0]:
+        raise ValueError(f"prompt_ids: must be an int array [B, P] with B >= 1, got "
+                         f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
+    s, p = prompt_ids.shape
     if isinstance(prompt_lens, (np.ndarray, list, tuple)):   # on the host: checked here
         lens = np.asarray(prompt_lens)
         if lens.size and not (lens.min() >= 0 and lens.max() <= p):
             raise ValueError(f"prompt_lens: {lens.tolist()} must lie in [0, {p}] (prompt_ids' width)")
-    fields = [("prompt_lens", prompt_lens)] + [(f"sampling.{f.name}", getattr(sampling, f.name))
-                                               for f in dataclasses.fields(sampling)]
-    for name, x in fields:
-        shape = np.shape(x)
-        if not shape or shape[0] != s:
-            raise ValueError(f"{name}: shape {shape} has {shape[0] if shape else 'no'} rows; "
-                             f"prompt_ids has {s} (one per prompt row)")
+    fields = [("prompt_ids", prompt_ids, (p,), "int"), ("prompt_lens", prompt_lens, (), "int")] + [
+        (f"sampling.{f.name}", getattr(sampling, f.name), *_TABLE.get(f.name, ((), "float")))
+        for f in dataclasses.fields(sampling)]
+    for name, x, tail, kind in fields:
+        shape = tuple(np.shape(x))
+        want = (s, *(shape[1] if w == "*" and len(shape) > 1 else w for w in tail))
+        if shape != want:
+            raise ValueError(f"{name}: shape {shape} must be {want} (one row per prompt row of "
+                             f"prompt_ids, {tuple(prompt_ids.shape)})")
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+        if not jnp.issubdtype(dtype, _KINDS[kind][0]):
+            raise C.InvalidType(f"{name}: dtype {dtype} must be {_KINDS[kind][1]}")
+    for name in ("stop_ids", "bias_ids", "allowed"):
+        ids = getattr(sampling, name)
+        if isinstance(ids, np.ndarray) and ids.size and not (
+                ids.min() >= -1 and ids.max() < vocab_size):
+            raise ValueError(f"sampling.{name}: token ids must lie in [0, {vocab_size}) (-1: "
+                             f"none), got {ids.min()} .. {ids.max()}")
 
 
 def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) -> State:
-    _rows_agree(prompt_ids, prompt_lens, sampling)
+    _rows_agree(prompt_ids, prompt_lens, sampling, cfg.model.vocab_size)
     s, p = prompt_ids.shape
     if p >= cfg.max_model_len:
         raise ValueError(f"prompt_ids: width {p} leaves no room for output under max_model_len "

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import sampling as kernels
-from sfjax.checks import InvalidType
+from sfjax.checks import InvalidType, integer
 from sfjax.rows import bucket, num_tiles_of, per_tile
 from sfjax.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -88,6 +88,7 @@ class Sampling(_Filters):
         generation_config). Sampled rows need a ``seed``. Fields that need the host between
         tokens (stop strings, logprobs, per-request speculation settings) are refused.
         """
+        batch = integer("batch", batch, 1, optional=True)
         params = [params] * (batch or 1) if isinstance(params, SamplingParams) else list(params)
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):

@@ -45,7 +45,7 @@ def pair(tiny_folder, tmp_path_factory):
     cfg = ModelConfig.from_folder(tiny_folder)
     weights = W.load_hf(tiny_folder, cfg)
     dcfg = dataclasses.replace(cfg, num_layers=1)
-    dw = dataclasses.replace(weights, **{f: getattr(weights, f)[:1] for f in W.LAYER_FIELDS})
+    dw = dataclasses.replace(weights, **{f: x[:1] for f, x in W.layers(weights).items()})
     draft = toy.build_model_folder(str(tmp_path_factory.mktemp("draft-1l")), dcfg, weights=dw)
     table = str(tmp_path_factory.mktemp("table") / ngram_table.TABLE_FILE)   # from other prompts
     ngram_table.save(ngram_table.build(_prompts(9, 64), cfg.vocab_size, width=3, min_count=1), table)
@@ -198,12 +198,33 @@ def test_prompt_rows_and_sampling_rows_must_agree(pair):
     ids, lens = F.pad_prompts(_prompts(0, 3))
     trace = lambda l, sp: jax.eval_shape(lambda w: F.generate(w, ids, l, sp, cfg), pair["weights"])
     two = F.Sampling.from_params(_params(0)[:2], eos_token_ids=())
-    with pytest.raises(ValueError, match=r"^sampling\.temperature: shape \(2,\) has 2 rows; "
-                                         r"prompt_ids has 3 \(one per prompt row\)"):
+    with pytest.raises(ValueError, match=r"^sampling\.temperature: shape \(2,\) must be \(3,\) "
+                                         r"\(one row per prompt row of prompt_ids, \(3, 16\)\)"):
         trace(lens, two)
     three = F.Sampling.from_params(_params(0)[:3], eos_token_ids=())
-    with pytest.raises(ValueError, match=r"^prompt_lens: shape \(4,\) has 4 rows"):
+    with pytest.raises(ValueError, match=r"^prompt_lens: shape \(4,\) must be \(3,\)"):
         trace(np.append(lens, 1), three)
+    # each field's own shape, its kind of dtype, and the table's ids in the vocabulary
+    bad = lambda **kw: dataclasses.replace(three, **kw)
+    for l, sp, match in (
+            (lens[:, None], three, r"^prompt_lens: shape \(3, 1\) must be \(3,\)"),
+            (lens, bad(key_data=np.zeros((3, 3), np.uint32)), r"^sampling\.key_data: shape \(3, 3\)"),
+            (lens, bad(key_data=np.zeros((3, 2), np.float32)), r"^sampling\.key_data: dtype float32"),
+            (lens, bad(stop_ids=np.zeros(3, np.int32)), r"^sampling\.stop_ids: shape \(3,\)"),
+            (lens, bad(allowed=np.full((3, 1), 10**6, np.int32)),
+             r"^sampling\.allowed: token ids must lie in \[0, 512\)"),
+            (lens, F.Sampling.from_params(_params(0)[:3], eos_token_ids=(10**9,)),
+             r"^sampling\.stop_ids: token ids must lie in \[0, 512\)")):
+        with pytest.raises(ValueError, match=match):
+            trace(l, sp)
+    with pytest.raises(ValueError, match=r"^prompt_ids: must be an int array \[B, P\] with B >= 1"):
+        jax.eval_shape(lambda w: F.generate(w, ids[:0], lens[:0], three, cfg), pair["weights"])
+    with pytest.raises(TypeError, match="^cfg: must be a functional.Config, got dict"):
+        F.prefill(pair["weights"], ids, lens, three, {})
+    with pytest.raises(ValueError, match=r"^batch = -2 is out of range"):
+        F.Sampling.from_params(_params(0)[0], eos_token_ids=(), batch=-2)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]\[1\] = 1099511627776 is out of range"):
+        F.pad_prompts([[1, 2**40]])
     with pytest.raises(TypeError, match="sampling: must be a functional.Sampling, got dict"):
         trace(lens, {})
     with pytest.raises(ValueError, match=r"^prompt_lens: \[.*\] must lie in \[0, 16\]"):
