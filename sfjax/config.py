@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sfjax import checks as C
+
 # model_type -> the architecture config.json names: Mistral is Llama's network (a sliding window,
 # which sfjax does not implement, bounds its context: ``ModelConfig.context``), Qwen2 Llama's
 # with biases on the q, k and v projections (``ModelConfig.qkv_bias``)
@@ -85,38 +87,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], dtype: str = "auto") -> "ModelConfig":
-        """Converts a LlamaForCausalLM or MistralForCausalLM ``config.json`` dict; raises
-        ValueError on anything else."""
-        kind = hf.get("model_type", "llama")
-        archs = hf.get("architectures")
-        if kind not in ARCHITECTURES or archs not in (None, [], [ARCHITECTURES[kind]]):
-            raise ValueError(
-                f"unsupported architecture {archs} (model_type={hf.get('model_type')!r}); "
-                f"sfjax serves {', '.join(f'{a} ({t})' for t, a in ARCHITECTURES.items())}")
-        for flag in ("attention_bias", "mlp_bias"):
-            if hf.get(flag):
-                raise ValueError(f"config.json: {flag}=true is not supported")
-        quant = hf.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(f"config.json: quantization_config ({method}) is not supported: "
-                             f"sfjax loads float32, bfloat16 and float16 weights")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
-        try:
-            heads = int(hf["num_attention_heads"])
-            hidden = int(hf["hidden_size"])
-            cfg = dict(
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-            )
-        except KeyError as e:
-            raise ValueError(f"config.json is missing the field {e.args[0]!r}") from None
+        """Converts a LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM ``config.json``
+        dict; raises ValueError naming the field on anything else."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"config.json: must be a JSON object, got {type(hf).__name__}")
+        kind = _supported(hf)
+        n = lambda name, default=None, lo=1: _int(hf, name, default, lo)
+        heads, hidden = n("num_attention_heads"), n("hidden_size")
         if dtype == "auto":
             dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
             if dtype not in _DTYPES:
@@ -124,29 +101,25 @@ class ModelConfig:
                                  f"({', '.join(sorted(_DTYPES))}); dtype= (--dtype) loads the "
                                  f"weights as one of them")
         eos = hf.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos = [] if eos is None else C.int_list("config.json: eos_token_id",
+                                                eos if isinstance(eos, list) else [eos], 0)
+        bos = C.integer("config.json: bos_token_id", hf.get("bos_token_id"), 0, optional=True)
         theta, scaling = _rope(hf)
-        if kind == "qwen2" and (hf.get("use_sliding_window") or "sliding_attention" in (
-                hf.get("layer_types") or ())):
-            raise ValueError("config.json: use_sliding_window=true is not supported (sfjax "
-                             "attends to every key)")
-        window = hf.get("sliding_window") if kind == "mistral" else None
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window < 1):
-            raise ValueError(f"config.json: sliding_window {window!r} must be a positive int "
-                             f"or null")
         return cls(
-            **cfg,
+            vocab_size=n("vocab_size"), hidden_size=hidden,
+            intermediate_size=n("intermediate_size"), num_layers=n("num_hidden_layers"),
+            num_heads=heads, num_kv_heads=n("num_key_value_heads", heads),
+            head_dim=n("head_dim", hidden // heads),
             rope_theta=theta,
             rope_scaling=_rope_scaling(scaling),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=C.real("config.json: rms_norm_eps", hf.get("rms_norm_eps", 1e-6), 0),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=n("max_position_embeddings", 2048, 2),
             dtype=dtype,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos,
+            bos_token_id=bos,
+            eos_token_ids=tuple(eos),
             model_type=kind,
-            sliding_window=window,
+            sliding_window=_sliding_window(hf, kind),
         )
 
     @classmethod
@@ -185,23 +158,71 @@ class ModelConfig:
         return self.vocab_size * d + head + L * (attn + 3 * d * f + 2 * d) + d
 
 
+def _supported(hf: dict[str, Any]) -> str:
+    """config.json's model_type, where sfjax serves it as written (ValueError naming what not)."""
+    kind = hf.get("model_type", "llama")
+    archs = hf.get("architectures")
+    if kind not in ARCHITECTURES or archs not in (None, [], [ARCHITECTURES[kind]]):
+        raise ValueError(
+            f"unsupported architecture {archs} (model_type={hf.get('model_type')!r}); "
+            f"sfjax serves {', '.join(f'{a} ({t})' for t, a in ARCHITECTURES.items())}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"config.json: {flag}=true is not supported")
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"config.json: quantization_config ({method}) is not supported: "
+                         f"sfjax loads float32, bfloat16 and float16 weights")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
+    if kind == "qwen2" and (hf.get("use_sliding_window") or "sliding_attention" in (
+            hf.get("layer_types") or ())):
+        raise ValueError("config.json: use_sliding_window=true is not supported (sfjax "
+                         "attends to every key)")
+    return kind
+
+
+def _int(hf: dict[str, Any], name: str, default: int | None, lo: int) -> int:
+    """config.json's int ``name`` (``default`` where absent or null; required without one)."""
+    value = hf.get(name)
+    if value is None and default is None:
+        raise ValueError(f"config.json is missing the field {name!r}")
+    return C.integer(f"config.json: {name}", default if value is None else value, lo)
+
+
+def _sliding_window(hf: dict[str, Any], kind: str) -> int | None:
+    """Mistral's sliding window (None: none, or another model's field transformers ignores)."""
+    if kind != "mistral":
+        return None
+    window = hf.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"config.json: sliding_window {window!r} must be a positive int "
+                         f"or null")
+    return window
+
+
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, the scaling dict): transformers 5 writes both in ``rope_parameters``,
     earlier versions as ``rope_theta`` and ``rope_scaling``; ``rope_parameters`` wins, as it
     does in transformers."""
     rp = hf.get("rope_parameters")
+    theta = lambda x: C.real("config.json: rope_theta", x, 0, lo_open=True)
     if rp is None:
-        return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+        return theta(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
     rp = {"rope_type": "default", **rp} if isinstance(rp, dict) and "type" not in rp else rp
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
         raise ValueError(f"config.json: rope_parameters {rp!r} is not supported (one dict for "
                          f"every layer, as Llama's)")
-    return float(rp.get("rope_theta", hf.get("rope_theta", 10000.0))), rp
+    return theta(rp.get("rope_theta", hf.get("rope_theta", 10000.0))), rp
 
 
 def _rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
     if not rs:
         return None
+    if not isinstance(rs, dict):
+        raise ValueError(f"config.json: rope_scaling {rs!r} must be a JSON object or null")
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "default":
         return None
@@ -209,7 +230,12 @@ def _rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
         raise ValueError(f"config.json: rope type {kind!r} is not supported (default, llama3, "
                          f"linear)")
     fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
-    return RopeScaling(rope_type=kind, **{k: v for k, v in rs.items() if k in fields})
+
+    def number(k, v):
+        if k == "original_max_position_embeddings":
+            return C.integer(f"config.json: rope_scaling.{k}", v, 1)
+        return C.real(f"config.json: rope_scaling.{k}", v, 0, lo_open=True)
+    return RopeScaling(rope_type=kind, **{k: number(k, v) for k, v in rs.items() if k in fields})
 
 
 # generation_config.json's sampling fields that vLLM takes as a model's defaults, by the
@@ -222,7 +248,10 @@ SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
 def generation_config(path: str | os.PathLike) -> dict[str, Any]:
     """A model folder's generation_config.json ({} without one)."""
     file = os.path.join(path, "generation_config.json")
-    return read_json(file) if os.path.exists(file) else {}
+    gen = read_json(file) if os.path.exists(file) else {}
+    if not isinstance(gen, dict):
+        raise ValueError(f"model folder: {file} must hold a JSON object, got {type(gen).__name__}")
+    return gen
 
 
 def sampling_defaults(path: str | os.PathLike) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import pytest
 
 from sfjax import LLM, SamplingParams, sampling, toy
 from sfjax.benchmark import compiles
+from sfjax.config import ModelConfig
 from sfjax.engine import programs, rounds
 from sfjax.engine.slots import SlotSync
 from sfjax.spec import config as spec_config
@@ -384,6 +385,27 @@ def test_text_the_tokenizer_spells_past_the_models_vocabulary_is_refused(model_f
                                          r"the model's vocabulary \[0, 300\)"):
         llm.generate(text, GREEDY, use_tqdm=False)
     assert len(llm.generate("hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"vocab_size": "abc"}, r"config.json: vocab_size = 'abc' has type str"),
+    ({"num_hidden_layers": -1}, r"config.json: num_hidden_layers = -1 is out of range"),
+    ({"max_position_embeddings": 0}, r"config.json: max_position_embeddings = 0 is out of range"),
+    ({"rms_norm_eps": "x"}, r"config.json: rms_norm_eps = 'x' has type str"),
+    ({"eos_token_id": "x"}, r"config.json: eos_token_id\[0\] = 'x' has type str"),
+    ({"rope_scaling": [1, 2]}, r"config.json: rope_scaling \[1, 2\] must be a JSON object"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "x"}},
+     r"config.json: rope_scaling.factor = 'x' has type str"),
+    ({"rope_theta": 0}, r"config.json: rope_theta = 0.0 is out of range"),
+    ({"hidden_size": None}, r"config.json is missing the field 'hidden_size'"),
+])
+def test_config_json_values_of_the_wrong_kind_are_refused_naming_the_field(change, match):
+    """(They failed in Python or inside JAX, naming nothing: 'invalid literal for int()', a
+    str divided by a tracer, 'need at least one array to stack'.)"""
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_config({**toy.tiny_config().to_hf_config(), **change})
+    with pytest.raises(ValueError, match="config.json: must be a JSON object, got list"):
+        ModelConfig.from_hf_config([1])
 
 
 def test_bad_model_folders(tmp_path, tiny_folder):
