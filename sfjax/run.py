@@ -28,6 +28,8 @@ from sfjax.spec.config import SpeculativeConfig
 
 
 MATMUL_KERNELS = (None, "auto", *KERNELS)
+MAX_BLOCK_SIZE = 4096     # tokens a KV page holds
+MAX_ROW_TILE = 1024       # rows a tile computes at once
 
 
 def check_settings(owner: str, *, block_size: int, row_tile: int, sampler: str, layer_loop: str,
@@ -36,9 +38,9 @@ def check_settings(owner: str, *, block_size: int, row_tile: int, sampler: str, 
     (``RunConfig``, and the engine's ``EngineConfig`` before any model is read): a ValueError
     (TypeError for a wrong type) naming ``owner.field`` and what it allows."""
     f = lambda name: f"{owner}.{name}"
-    C.integer(f("block_size"), block_size, 1)
+    C.integer(f("block_size"), block_size, 1, MAX_BLOCK_SIZE)
     validate_block_size(block_size)
-    C.integer(f("row_tile"), row_tile, 1)
+    C.integer(f("row_tile"), row_tile, 1, MAX_ROW_TILE)
     C.one_of(f("sampler"), sampler, SAMPLER_IMPLS)
     C.one_of(f("layer_loop"), layer_loop, model.LAYER_LOOPS)
     C.one_of(f("attention"), attention, ATTENTION_IMPLS)

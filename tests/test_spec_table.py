@@ -93,6 +93,9 @@ def test_file_round_trip_and_its_checks(tmp_path):
     save_file({"x": np.zeros(3, np.int32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not an n-gram table"):
         T.load(str(tmp_path / "other.safetensors"))
+    (tmp_path / "text.safetensors").write_text("not safetensors")     # safetensors' own error
+    with pytest.raises(ValueError, match="prompt_lookup_table: cannot read .* as safetensors"):
+        T.load(str(tmp_path / "text.safetensors"))
 
 
 def test_lookup_bigram_then_unigram_then_nothing():

@@ -13,6 +13,7 @@ from sfjax import checks as C
 from sfjax.run import check_settings
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+MAX_NUM_SEQS = 16384      # slots (each holds a block-table row and a token history row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ class EngineConfig:
         C.integer(f("num_kv_blocks"), self.num_kv_blocks, 2, optional=True)
         C.integer(f("kv_cache_bytes"), self.kv_cache_bytes, 1)
         C.integer(f("max_model_len"), self.max_model_len, 2, optional=True)
-        C.integer(f("max_num_seqs"), self.max_num_seqs, 1)
+        C.integer(f("max_num_seqs"), self.max_num_seqs, 1, MAX_NUM_SEQS)
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", max(512, self.max_num_seqs))
         C.integer(f("max_num_batched_tokens"), self.max_num_batched_tokens, self.max_num_seqs,

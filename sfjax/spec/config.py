@@ -21,6 +21,11 @@ ADAPTIVE_PRIOR = (2, 4)   # (accepted, drafted) counted before a request's own: 
 VERIFY_COST = 0.02        # one more verify row, in units of a target step (rows share tiles)
 
 
+def _check_method(method) -> None:
+    if method not in METHODS:
+        raise ValueError(f"speculative_config.method = {method!r}: must be one of {METHODS}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """method: "draft_model" (a smaller Llama with its own paged cache on the same block tables),
@@ -75,14 +80,15 @@ class SpeculativeConfig:
         for field in ("method", "num_speculative_tokens"):
             if field not in d:
                 raise ValueError(f"speculative_config.{field} is required")
+            if field == "method":             # an unknown method is named before k is asked
+                _check_method(d["method"])
         if d["num_speculative_tokens"] == "auto":
             d = {**d, "num_speculative_tokens": ADAPTIVE_MAX, "adaptive_k": True}
         return cls(**d)
 
     def __post_init__(self):
         f = lambda name: f"speculative_config.{name}"
-        if self.method not in METHODS:
-            raise ValueError(f"speculative_config.method = {self.method!r}: must be one of {METHODS}")
+        _check_method(self.method)
         if self.acceptance_method not in ACCEPTANCE:
             raise ValueError(f"speculative_config.acceptance_method = {self.acceptance_method!r}: "
                              f"must be one of {ACCEPTANCE}")

@@ -128,8 +128,9 @@ def load(path: str, vocab_size: int | None = None) -> NgramTable:
     where = "speculative_config.prompt_lookup_table"
     try:
         arrays = load_file(path)
-    except (FileNotFoundError, OSError) as e:
-        raise ValueError(f"{where}: cannot read {path!r} ({e})") from None
+    except Exception as e:      # missing, unreadable, or not safetensors (safetensors' own errors)
+        raise ValueError(f"{where}: cannot read {path!r} as safetensors "
+                         f"({type(e).__name__}: {e})") from None
     missing = sorted({f.name for f in dataclasses.fields(NgramTable)} - set(arrays))
     if missing:
         raise ValueError(f"{where}: {path!r} is not an n-gram table (no {missing})")
