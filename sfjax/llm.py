@@ -104,10 +104,6 @@ class LLM:
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if not os.path.isdir(model):
             raise ValueError(f"model: {model!r} is not a folder (an HF model folder is expected)")
-        if tokenizer is not None and (not isinstance(tokenizer, (str, os.PathLike))
-                                      or not os.path.isdir(tokenizer)):
-            raise ValueError(f"tokenizer = {tokenizer!r}: must be a folder holding "
-                             f"tokenizer.json (or a tokenizer transformers can convert)")
         if spec is not None and spec.method == "eagle3" and (tp * dp > 1 or mesh is not None):
             raise ValueError("speculative_config.method = 'eagle3' runs on one device: "
                              "tensor_parallel_size and data_parallel_size must be 1")

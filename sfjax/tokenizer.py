@@ -12,6 +12,9 @@ from sfjax.config import generation_config, read_json
 def load_tokenizer(path: str) -> Tokenizer:
     """``tokenizer.json`` from a model folder; a folder with only a slow tokenizer is converted
     once by transformers."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise ValueError(f"tokenizer = {path!r}: must be a folder holding tokenizer.json (or a "
+                         f"tokenizer transformers can convert)")
     file = os.path.join(path, "tokenizer.json")
     if os.path.exists(file):
         try:
