@@ -303,7 +303,11 @@ def load_orbax(path: str, cfg: ModelConfig, mesh=None) -> Weights:
         stored = getattr(stored, "item_metadata", stored)     # StepMetadata -> its tree
         stored = getattr(stored, "tree", stored)              # TreeMetadata -> {name: metadata}
         _check_stored(path, dict(stored), cfg)
-        return ckptr.restore(ckpt, abstract(cfg, mesh))
+        # the checkpoint's own fields: one saved before Weights had biases has no key for them
+        target = abstract(cfg, mesh)
+        return Weights(**ckptr.restore(ckpt, {f.name: getattr(target, f.name)
+                                              for f in dataclasses.fields(target)
+                                              if f.name in dict(stored)}))
 
 
 def _check_stored(path: str, stored: dict, cfg: ModelConfig) -> None:
