@@ -49,7 +49,7 @@ from jax import lax
 
 from pallas_kernels import matmul as kernels
 from sfjax.config import ModelConfig
-from sfjax.weights import LAYER_FIELDS, Weights, describe
+from sfjax.weights import LAYER_FIELDS, Weights, describe, multiplied
 
 COL_BLOCKS = 8          # column blocks of every matmul; a tensor-parallel size must divide it
 SMALL_ROW_TILES = (2, 4)
@@ -182,7 +182,7 @@ def kernel_for(matmul: str | None, *cfgs: ModelConfig) -> str | None:
     if backend is None:
         return None
     shapes = [(*a.shape[-2:], np.dtype(c.jnp_dtype).itemsize) for c in cfgs
-              for name, a in describe(c).items() if name != "embed" and not name.endswith("norm")]
+              for name, a in describe(c).items() if multiplied(name)]
     if any(c.tie_word_embeddings for c in cfgs):
         shapes += [(c.hidden_size, c.vocab_size, np.dtype(c.jnp_dtype).itemsize) for c in cfgs]
     fit = all(kernels.fits(k, n // blocks_of(n), backend, size) for k, n, size in shapes)
@@ -224,7 +224,7 @@ def _relayout(weights: Weights, fn, blocked: bool) -> Weights:
     """``fn`` applied to every matrix that is in the blocked layout (``blocked``) or the plain one;
     stacked or split by layer."""
     def one(name, x):
-        if x is None or name == "embed" or name.endswith(("norm", "bias")):
+        if x is None or not multiplied(name):
             return x
         if isinstance(x, (tuple, list)):
             return tuple(fn(a) if (a.ndim == 3) == blocked else a for a in x)

@@ -112,6 +112,12 @@ def init_random(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
     return Weights(**arrays)
 
 
+def multiplied(name: str) -> bool:
+    """Whether ``Weights.<name>`` is a matrix rows are multiplied by (not the embedding table,
+    a norm or a bias)."""
+    return name != "embed" and not name.endswith(("norm", "bias"))
+
+
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_FIELDS = ("q_bias", "k_bias", "v_bias")     # per layer too, where the model has them
 

@@ -3,6 +3,7 @@ interpret mode, a row's bits the same at every position of calls of any M, paddi
 skipped, and lowerable for GPU (Triton) and TPU (Mosaic) on a CPU machine with no matmul left
 to XLA."""
 
+import dataclasses
 import functools
 
 import jax
@@ -243,6 +244,9 @@ def test_auto_picks_the_kernel_on_accelerators_where_every_weight_fits(monkeypat
         monkeypatch.setattr(rows.jax, "default_backend", lambda b=backend: b)
         assert rows.kernel_for("auto", big) == want
         assert RunConfig(big, 64).matmul == want
+        # Qwen2's biases are added after the product, not multiplied: (24 layers read as K)
+        qwen = dataclasses.replace(big, model_type="qwen2", num_layers=24)
+        assert rows.kernel_for("auto", qwen) == want
     monkeypatch.setattr(rows.jax, "default_backend", lambda: "gpu")
     assert rows.kernel_for("auto", tiny) is None and rows.kernel_for("auto", big, tiny) is None
     assert rows.kernel_for(None, big) is None and rows.kernel_for("interpret", tiny) == "interpret"
