@@ -100,9 +100,6 @@ class ModelConfig:
                 raise ValueError(f"config.json: dtype {dtype!r} is not supported "
                                  f"({', '.join(sorted(_DTYPES))}); dtype= (--dtype) loads the "
                                  f"weights as one of them")
-        eos = hf.get("eos_token_id")
-        eos = [] if eos is None else C.int_list("config.json: eos_token_id",
-                                                eos if isinstance(eos, list) else [eos], 0)
         bos = C.integer("config.json: bos_token_id", hf.get("bos_token_id"), 0, optional=True)
         theta, scaling = _rope(hf)
         return cls(
@@ -117,7 +114,7 @@ class ModelConfig:
             max_position_embeddings=n("max_position_embeddings", 2048, 2),
             dtype=dtype,
             bos_token_id=bos,
-            eos_token_ids=tuple(eos),
+            eos_token_ids=token_ids("config.json: eos_token_id", hf.get("eos_token_id")),
             model_type=kind,
             sliding_window=_sliding_window(hf, kind),
         )
@@ -181,6 +178,14 @@ def _supported(hf: dict[str, Any]) -> str:
         raise ValueError("config.json: use_sliding_window=true is not supported (sfjax "
                          "attends to every key)")
     return kind
+
+
+def token_ids(field: str, value: Any) -> tuple[int, ...]:
+    """An ``eos_token_id`` as config.json and generation_config.json give it (an id, a list of
+    them, or null) as a tuple; ValueError naming ``field`` for anything else."""
+    if value is None:
+        return ()
+    return tuple(C.int_list(field, value if isinstance(value, list) else [value], 0))
 
 
 def _int(hf: dict[str, Any], name: str, default: int | None, lo: int) -> int:

@@ -76,8 +76,11 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int | None = None,
         raise ValueError(f"prompts: {len(prompts)} of up to {need} tokens don't fit [{batch}, {length}]")
     ids = np.zeros((batch, length), np.int32)
     for i, p in enumerate(prompts):
-        ids[i, :len(p)] = C.int_list(f"prompts[{i}]", list(p) if isinstance(p, np.ndarray) else p,
-                                     0, 2**31 - 1)
+        row = np.asarray(p)         # a list, a range, a numpy or jax array
+        if row.size and (row.ndim != 1 or not np.issubdtype(row.dtype, np.integer)
+                         or row.min() < 0 or row.max() >= 2**31):
+            raise ValueError(f"prompts[{i}]: must be token ids in [0, 2**31), got {p!r}")
+        ids[i, :len(row)] = row
     return ids, np.array([len(p) for p in prompts] + [0] * (batch - len(prompts)), np.int32)
 
 

@@ -6,7 +6,7 @@ import os
 
 from tokenizers import Tokenizer
 
-from sfjax.config import generation_config, read_json
+from sfjax.config import generation_config, read_json, token_ids
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -34,9 +34,8 @@ def eos_ids(model_path: str, tokenizer_path: str, tokenizer: Tokenizer, vocab_si
     ``eos_token_id``, else config.json's (``fallback``), and the tokenizer's own ``eos_token``
     (special_tokens_map.json's, else tokenizer_config.json's: an instruct model's end of turn,
     where generation_config.json is missing or older than the tokenizer)."""
-    ids, eos = fallback, generation_config(model_path).get("eos_token_id")
-    if eos is not None:
-        ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+    eos = generation_config(model_path).get("eos_token_id")
+    ids = fallback if eos is None else token_ids("generation_config.json: eos_token_id", eos)
     token = None          # special_tokens_map.json's wins over tokenizer_config.json's
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         file = os.path.join(tokenizer_path, name)

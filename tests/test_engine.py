@@ -421,6 +421,10 @@ def test_bad_model_folders(tmp_path, tiny_folder):
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported architecture"):
         LLM(str(other))
+    eos = shutil.copytree(tiny_folder, tmp_path / "eos")
+    (eos / "generation_config.json").write_text(json.dumps({"eos_token_id": ["2"]}))
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id\[0\] = '2' has"):
+        LLM(str(eos))
     noweights = shutil.copytree(tiny_folder, tmp_path / "noweights")
     os.remove(noweights / "model.safetensors")
     with pytest.raises(ValueError, match="safetensors"):

@@ -223,8 +223,10 @@ def test_prompt_rows_and_sampling_rows_must_agree(pair):
         F.prefill(pair["weights"], ids, lens, three, {})
     with pytest.raises(ValueError, match=r"^batch = -2 is out of range"):
         F.Sampling.from_params(_params(0)[0], eos_token_ids=(), batch=-2)
-    with pytest.raises(ValueError, match=r"^prompts\[0\]\[1\] = 1099511627776 is out of range"):
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: must be token ids in \[0, 2\*\*31\)"):
         F.pad_prompts([[1, 2**40]])
+    rows = F.pad_prompts([range(3, 6), jnp.arange(4, dtype=jnp.int32), np.array([7])])[0]
+    np.testing.assert_array_equal(rows[:, :4], [[3, 4, 5, 0], [0, 1, 2, 3], [7, 0, 0, 0]])
     with pytest.raises(TypeError, match="sampling: must be a functional.Sampling, got dict"):
         trace(lens, {})
     with pytest.raises(ValueError, match=r"^prompt_lens: \[.*\] must lie in \[0, 16\]"):
