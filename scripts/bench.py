@@ -318,7 +318,7 @@ def build_pair(root: str, *, draft_cfg=None) -> dict[str, str]:
     w = W.init_random(tcfg, seed=0)
     dead = lambda x: x.at[2:].set(0.0)                 # layers 3..12 write nothing to the residual
     w = dataclasses.replace(w, wo=dead(w.wo), w_down=dead(w.w_down))
-    dw = dataclasses.replace(w, **{f: x[:2] for f, x in W.layers(w).items()})
+    dw = dataclasses.replace(w, **{f: x[:2] for f, x in W.layer_arrays(w).items()})
     jax.block_until_ready(dw)
     out = {"target": os.path.join(root, "target-12l-dead10"), "draft": os.path.join(root, "draft-2l"),
            "bad": os.path.join(root, "draft-2l-seed1")}

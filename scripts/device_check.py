@@ -303,7 +303,7 @@ def e2e(smoke: bool, ceiling: float, max_tokens: int, k: int, repeats: int = 2,
     dead = lambda x: x.at[2:].set(0)
     w = dataclasses.replace(w, wo=dead(w.wo), w_down=dead(w.w_down))
     dcfg = dataclasses.replace(cfg, num_layers=2)
-    dw = dataclasses.replace(w, **{f: x[:2] for f, x in W.layers(w).items()})
+    dw = dataclasses.replace(w, **{f: x[:2] for f, x in W.layer_arrays(w).items()})
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(w))
     prompt_len = 128 if not smoke else 16
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize

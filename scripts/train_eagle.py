@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     root, files = train_demo.corpus_files(run.max_files)
     held = [f for i, f in enumerate(files) if i % train_demo.HELD_OUT_EVERY == 0]
     train_files = [f for i, f in enumerate(files) if i % train_demo.HELD_OUT_EVERY]
-    seq_len = min(run.seq_len, cfg.max_position_embeddings)
+    seq_len = min(run.seq_len, cfg.context[0])
     seqs = train_demo.pack(tok, train_demo.read_texts(root, train_files), seq_len - 1)
     held_out = train_demo.pack(tok, train_demo.read_texts(root, held), seq_len - 1)[:run.eval_seqs]
     hc = head_config(cfg, run)

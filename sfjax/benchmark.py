@@ -70,9 +70,10 @@ def warm_up(llm, one_pass: Callable[[], object]) -> tuple[float, int]:
     return time.perf_counter() - t, done
 
 
-def check_args(args) -> None:
+def check_args(args, offline: bool) -> None:
     """The workload's flags, refused naming the flag before anything loads: one rule for both
-    ``sfjax bench`` paths (offline and ``--base-url``)."""
+    ``sfjax bench`` paths (offline and ``--base-url``); offline, the flags of the server's
+    path alone are refused too."""
     from sfjax.checks import integer, real
 
     integer("--num-prompts", args.num_prompts, 1, optional=True)
@@ -81,6 +82,12 @@ def check_args(args) -> None:
     integer("--repeats", args.repeats, 1)
     real("--request-rate", args.request_rate, 0.0, lo_open=True, finite=False)
     integer("--max-concurrency", args.max_concurrency, 1, optional=True)
+    for flag, given in (("--max-concurrency", args.max_concurrency is not None),
+                        ("--request-rate", args.request_rate != float("inf")),
+                        ("--compare-offline", args.compare_offline)):
+        if offline and given:
+            raise ValueError(f"{flag}: only with --base-url (offline, every request arrives at "
+                             f"t = 0 and at most --max-num-seqs run at once)")
 
 
 def random_workload(num: int, input_len: int, output_len: int, vocab: int, seed: int) -> Workload:
@@ -224,10 +231,10 @@ def hf_passes(model_path: str, work: Workload, temperature: float,
     falls on both sides of a ratio. Imports torch: only for ``--compare-hf``."""
     try:
         import torch
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise ValueError(f"--compare-hf needs torch and transformers installed ({e})") from None
-    load = lambda p: LlamaForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
     model = load(model_path)
     sample = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
 

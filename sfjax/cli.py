@@ -122,13 +122,7 @@ def _method(llm) -> str:
 
 
 def _bench(args) -> int:
-    B.check_args(args)                                 # before anything is loaded
-    for flag, given in (("--max-concurrency", args.max_concurrency is not None),
-                        ("--request-rate", args.request_rate != float("inf")),
-                        ("--compare-offline", args.compare_offline)):
-        if given:
-            raise ValueError(f"{flag}: only with --base-url (offline, every request arrives at "
-                             f"t = 0 and at most --max-num-seqs run at once)")
+    B.check_args(args, offline=True)                   # before anything is loaded
     params = _params(args, ignore_eos=True, stop=None)
     prompts = B.read_prompts(args.prompts_file, args.num_prompts) if args.prompts_file else None
     llm = _llm(args)

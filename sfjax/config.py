@@ -58,6 +58,11 @@ class ModelConfig:
     sliding_window: int | None = None        # Mistral's: each query attends to its last W keys
 
     def __post_init__(self):
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"model_type must be one of {sorted(ARCHITECTURES)}, got "
+                             f"{self.model_type!r}")
+        if self.sliding_window is not None and self.model_type != "mistral":
+            raise ValueError("sliding_window: only a mistral model has one")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -152,14 +157,16 @@ class ModelConfig:
         d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.vocab_size * d + head + L * (attn + 3 * d * f + 2 * d) + d
+        bias = self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+        return self.vocab_size * d + head + L * (attn + bias + 3 * d * f + 2 * d) + d
 
 
 def _supported(hf: dict[str, Any]) -> str:
     """config.json's model_type, where sfjax serves it as written (ValueError naming what not)."""
     kind = hf.get("model_type", "llama")
     archs = hf.get("architectures")
-    if kind not in ARCHITECTURES or archs not in (None, [], [ARCHITECTURES[kind]]):
+    if not isinstance(kind, str) or kind not in ARCHITECTURES or archs not in (
+            None, [], [ARCHITECTURES[kind]]):
         raise ValueError(
             f"unsupported architecture {archs} (model_type={hf.get('model_type')!r}); "
             f"sfjax serves {', '.join(f'{a} ({t})' for t, a in ARCHITECTURES.items())}")
@@ -200,12 +207,7 @@ def _sliding_window(hf: dict[str, Any], kind: str) -> int | None:
     """Mistral's sliding window (None: none, or another model's field transformers ignores)."""
     if kind != "mistral":
         return None
-    window = hf.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
-        raise ValueError(f"config.json: sliding_window {window!r} must be a positive int "
-                         f"or null")
-    return window
+    return C.integer("config.json: sliding_window", hf.get("sliding_window"), 1, optional=True)
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

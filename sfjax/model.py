@@ -24,7 +24,7 @@ from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, rope_frequencies
 from sfjax.rows import matmul
 from sfjax.sharding import Split
-from sfjax.weights import BIAS_FIELDS, LAYER_FIELDS, Weights, layers as layer_fields
+from sfjax.weights import PER_LAYER, Weights, layer_arrays
 
 
 def rope_angles(positions, inv_freq):
@@ -151,10 +151,10 @@ def _forward(weights: Weights, cache: KVCache, tokens, positions, slots, block_t
     if isinstance(weights.wq, (tuple, list)):       # split_layers: one array per layer, unrolled
         for i in range(cfg.num_layers):
             taken = take(taken, carry[0], i) if i in features else taken
-            carry = decoder_layer(carry, {f: x[i] for f, x in layer_fields(weights).items()},
+            carry = decoder_layer(carry, {f: x[i] for f, x in layer_arrays(weights).items()},
                                   i, ctx)
     else:                                           # stacked: lax.scan over the layer axis
-        layers = layer_fields(weights)
+        layers = layer_arrays(weights)
 
         def layer(c, xs):
             carry, taken = c
@@ -248,7 +248,7 @@ def logits(weights: Weights, hidden, cfg: ModelConfig, tiling: rows.Tiling = row
     if mesh is None:
         return fn(weights, hidden, num_rows)
     m = sharding.pad_to(n, mesh, tiling.tile)
-    lm = dataclasses.replace(weights, **{f: None for f in LAYER_FIELDS + BIAS_FIELDS})
+    lm = dataclasses.replace(weights, **{f: None for f in PER_LAYER})
     out = sharding.shard_map(fn, mesh, in_specs=(sharding.weight_specs(lm, cfg, mesh),
                                                  P(sharding.DATA), P()),
                              out_specs=P(sharding.DATA))(lm, jnp.pad(hidden, ((0, m - n), (0, 0))),

@@ -36,7 +36,7 @@ def forward(w: W.Weights, tokens, cfg: ModelConfig, features: tuple[int, ...] = 
         h = rms_norm(out, lw["mlp_norm"], cfg.rms_norm_eps)
         return out + (jax.nn.silu(h @ lw["w_gate"]) * (h @ lw["w_up"])) @ lw["w_down"], x
 
-    x, inputs = jax.lax.scan(layer, w.embed[tokens], W.layers(w))
+    x, inputs = jax.lax.scan(layer, w.embed[tokens], W.layer_arrays(w))
     x = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
     logits = x @ (w.embed.T if w.lm_head is None else w.lm_head)
     if not features:

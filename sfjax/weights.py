@@ -120,13 +120,13 @@ def multiplied(name: str) -> bool:
 
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_FIELDS = ("q_bias", "k_bias", "v_bias")     # per layer too, where the model has them
+PER_LAYER = LAYER_FIELDS + BIAS_FIELDS
 
 
-def layers(weights: Weights) -> dict:
-    """The per-layer fields ``weights`` holds: ``LAYER_FIELDS``, and ``BIAS_FIELDS`` where the
-    model has them."""
-    return {f: getattr(weights, f) for f in LAYER_FIELDS + BIAS_FIELDS
-            if getattr(weights, f) is not None}
+def layer_arrays(weights: Weights) -> dict:
+    """The per-layer fields ``weights`` holds (``PER_LAYER``: the biases where the model has
+    them)."""
+    return {f: getattr(weights, f) for f in PER_LAYER if getattr(weights, f) is not None}
 
 
 def split_layers(weights: Weights) -> Weights:
@@ -135,7 +135,7 @@ def split_layers(weights: Weights) -> Weights:
     if isinstance(weights.wq, (tuple, list)):
         return weights
     # indexed, not iterated: an array sharded over several processes' devices can't be iterated
-    split = {f: tuple(x[i] for i in range(x.shape[0])) for f, x in layers(weights).items()}
+    split = {f: tuple(x[i] for i in range(x.shape[0])) for f, x in layer_arrays(weights).items()}
     return dataclasses.replace(weights, **split)
 
 

@@ -159,7 +159,7 @@ def test_convert_round_trips_qwen2_biases_and_reads_checkpoints_without_them(mod
     from sfjax.config import ModelConfig
 
     def same(a, b):
-        assert [f for f in W.layers(a)] == [f for f in W.layers(b)]
+        assert [f for f in W.layer_arrays(a)] == [f for f in W.layer_arrays(b)]
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

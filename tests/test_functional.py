@@ -45,7 +45,7 @@ def pair(tiny_folder, tmp_path_factory):
     cfg = ModelConfig.from_folder(tiny_folder)
     weights = W.load_hf(tiny_folder, cfg)
     dcfg = dataclasses.replace(cfg, num_layers=1)
-    dw = dataclasses.replace(weights, **{f: x[:1] for f, x in W.layers(weights).items()})
+    dw = dataclasses.replace(weights, **{f: x[:1] for f, x in W.layer_arrays(weights).items()})
     draft = toy.build_model_folder(str(tmp_path_factory.mktemp("draft-1l")), dcfg, weights=dw)
     table = str(tmp_path_factory.mktemp("table") / ngram_table.TABLE_FILE)   # from other prompts
     ngram_table.save(ngram_table.build(_prompts(9, 64), cfg.vocab_size, width=3, min_count=1), table)

@@ -155,7 +155,7 @@ def _check(args) -> None:
     if args.compare_hf:
         raise ValueError("--compare-hf: not with --base-url (--compare-offline compares the "
                          "server with an engine built here)")
-    B.check_args(args)                     # the workload's flags: the offline path's rule
+    B.check_args(args, offline=False)      # the workload's flags: the offline path's rule
     SamplingParams(**_sampling(args))      # a bad value is refused before any request
 
 
