@@ -4,6 +4,7 @@ attention and the Pallas kernel, interpreted, inside shard_map); the weights and
 are sharded (the cache's pages over data); bad meshes and checkpoints are refused naming the
 mismatch."""
 
+import dataclasses
 import json
 import shutil
 
@@ -18,7 +19,7 @@ from sfjax import functional as F
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.weights import load_hf
-from conftest import GEOMETRY
+from conftest import CFG, GEOMETRY
 
 MESHES = [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)]       # (tp, dp)
 
@@ -59,6 +60,15 @@ def test_speculation_sharded_equals_one_device(engines, reference, tp, dp, draft
 
 @pytest.fixture(scope="module")
 def forward(folder):
+    return _forwards(folder)
+
+
+@pytest.fixture(scope="module")
+def qwen2_forward(model_folder):
+    return _forwards(model_folder(dataclasses.replace(CFG, model_type="qwen2"), seed=0, std=0.1))
+
+
+def _forwards(folder):
     """``forward(mesh, attention)``: (hidden, K pages, V pages, logits) of one ragged prefill of two
     sequences (9 and 5 tokens), as host arrays. The rows are laid out by data shard for dp 2
     (slot 0's in rows 0-15, slot 1's in 16-31, the rest padding), and the pages are blocks 1, 2
@@ -94,6 +104,12 @@ def forward(folder):
 @pytest.mark.parametrize("tp, dp", MESHES)
 def test_sharded_forward_is_bit_equal(forward, tp, dp):
     for a, b in zip(forward(), forward(sharding.make_mesh(tp, dp))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("tp, dp", [(4, 2), (8, 1)])         # KV heads sharded / replicated
+def test_qwen2_biases_sharded_with_their_heads_keep_the_bits(qwen2_forward, tp, dp):
+    for a, b in zip(qwen2_forward(), qwen2_forward(sharding.make_mesh(tp, dp))):
         np.testing.assert_array_equal(a, b)
 
 
