@@ -271,7 +271,7 @@ def test_mistral_and_qwen2_folders_run_as_hf_runs_them(model_type, window, model
     written = cfg.to_hf_config()
     for bad, match in (({"sliding_window": 0, "model_type": "mistral",
                          "architectures": ["MistralForCausalLM"]},
-                        "sliding_window 0 must be a positive int"),
+                        r"config.json: sliding_window = 0 is out of range"),
                        ({"use_sliding_window": True, "model_type": "qwen2",
                          "architectures": ["Qwen2ForCausalLM"]}, "use_sliding_window"),
                        ({"architectures": ["LlamaForCausalLM"]}, "unsupported architecture")):
