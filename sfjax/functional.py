@@ -182,9 +182,10 @@ def prefill(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg
 
 
 # each Sampling field's trailing shape ("*": any width) and kind of dtype
-_SAMPLING_SHAPES = {"key_data": ((2,), "uint32"), "stop_ids": (("*",), "int"), "bias_ids": (("*",), "int"),
-          "bias": (("*",), "float"), "allowed": (("*",), "int"), "top_k": ((), "int"),
-          "max_tokens": ((), "int"), "min_tokens": ((), "int")}
+_SAMPLING_SHAPES = {"key_data": ((2,), "uint32"), "stop_ids": (("*",), "int"),
+                    "bias_ids": (("*",), "int"), "bias": (("*",), "float"),
+                    "allowed": (("*",), "int"), "top_k": ((), "int"), "max_tokens": ((), "int"),
+                    "min_tokens": ((), "int")}
 _KINDS = {"int": (jnp.integer, "an integer type"), "float": (jnp.floating, "a float type"),
           "uint32": (jnp.uint32, "uint32")}
 
@@ -206,8 +207,8 @@ def _rows_agree(prompt_ids, prompt_lens, sampling: Sampling, vocab_size: int) ->
         if lens.size and not (lens.min() >= 0 and lens.max() <= p):
             raise ValueError(f"prompt_lens: {lens.tolist()} must lie in [0, {p}] (prompt_ids' width)")
     fields = [("prompt_ids", prompt_ids, (p,), "int"), ("prompt_lens", prompt_lens, (), "int")] + [
-        (f"sampling.{f.name}", getattr(sampling, f.name), *_SAMPLING_SHAPES.get(f.name, ((), "float")))
-        for f in dataclasses.fields(sampling)]
+        (f"sampling.{f.name}", getattr(sampling, f.name),
+         *_SAMPLING_SHAPES.get(f.name, ((), "float"))) for f in dataclasses.fields(sampling)]
     for name, x, tail, kind in fields:
         shape = tuple(np.shape(x))
         want = (s, *(shape[1] if w == "*" and len(shape) > 1 else w for w in tail))

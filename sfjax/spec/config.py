@@ -77,11 +77,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
         if "method" not in d and "model" in d:
             d = {**d, "method": "draft_model"}
+        if "method" in d:                     # an unknown method is named before k is asked
+            _check_method(d["method"])
         for field in ("method", "num_speculative_tokens"):
             if field not in d:
                 raise ValueError(f"speculative_config.{field} is required")
-            if field == "method":             # an unknown method is named before k is asked
-                _check_method(d["method"])
         if d["num_speculative_tokens"] == "auto":
             d = {**d, "num_speculative_tokens": ADAPTIVE_MAX, "adaptive_k": True}
         return cls(**d)
