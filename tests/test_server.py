@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -297,6 +298,36 @@ def test_models_tokenize_detokenize(client, server, offline):
         r = httpx.post(f"{server.url}/tokenize", json={"messages": messages,
                                                        "add_generation_prompt": agp}, timeout=10)
         assert r.json()["tokens"] == offline.get_tokenizer().encode(text, add_special_tokens=False).ids
+
+
+def test_a_long_tokenization_leaves_the_server_answering(server):
+    """The server tokenizes off its event loop: while a 2.3 MB prompt tokenizes (about 1.5 s on
+    the 2-core box), /health keeps answering. tokenizers' single-text encode held the GIL for
+    the whole text, so every route and stream waited for it (the longest gap was the whole
+    tokenization); now no gap comes near half of it."""
+    import sfjax.engine.engine as source
+    with open(source.__file__) as f:
+        text = f.read() * 60
+    result = {}
+
+    def tokenize():
+        t0 = time.monotonic()
+        r = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, timeout=120)
+        result.update(status=r.status_code, count=r.json().get("count"),
+                      seconds=time.monotonic() - t0)
+
+    worker = threading.Thread(target=tokenize)
+    answered = [time.monotonic()]
+    with httpx.Client(timeout=60) as h:
+        worker.start()
+        while worker.is_alive():
+            assert h.get(f"{server.url}/health").status_code == 200
+            answered.append(time.monotonic())
+            time.sleep(0.01)
+    worker.join()
+    assert result["status"] == 200 and result["count"] > 500_000, result
+    gap = max(b - a for a, b in zip(answered, answered[1:]))
+    assert result["seconds"] > 0.5 and gap < result["seconds"] / 2, (gap, result)
 
 
 def _metrics(url: str) -> dict[str, float]:

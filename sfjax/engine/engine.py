@@ -40,7 +40,7 @@ from sfjax.engine.speculation import Speculator
 from sfjax.spec.config import SpeculativeConfig
 from sfjax.spec.registry import Registry
 from sfjax.step import DeviceState
-from sfjax.tokenizer import IncrementalDetokenizer
+from sfjax.tokenizer import IncrementalDetokenizer, encode
 from sfjax.weights import Weights
 
 logger = logging.getLogger("sfjax")
@@ -250,7 +250,7 @@ class Engine:
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         vocab = f"token ids in the vocabulary [0, {self.cfg.vocab_size})"
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(C.text("prompt", prompt)).ids
+            ids = encode(self.tokenizer, C.text("prompt", prompt))
             bad = next((t for t in ids if not 0 <= t < self.cfg.vocab_size), None)
             if bad is not None:        # a tokenizer with more tokens than the model's embedding
                 raise ValueError(f"prompt: the tokenizer gives token id {bad}, outside the "

@@ -25,6 +25,7 @@ from sfjax import checks as C
 from sfjax.async_llm import AsyncLLM, EngineClosed, EngineOverloaded, EngineStepFailed
 from sfjax.serve import protocol as P
 from sfjax.serve.protocol import APIError
+from sfjax.tokenizer import encode
 
 
 class Delta:
@@ -132,7 +133,7 @@ class Server:
         prompt = P.completion_prompt(req)
         if isinstance(prompt, str):      # counted here for max_tokens; the engine checks it
             try:
-                prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt).ids}
+                prompt = {"prompt": prompt, "prompt_token_ids": await self._encode(prompt)}
             except Exception:
                 pass
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
@@ -181,17 +182,23 @@ class Server:
 
     # -- chat ----------------------------------------------------------------------------------
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s ids, tokenized off the event loop (streams go on meanwhile)."""
+        return await asyncio.to_thread(encode, self.tokenizer, text, add_special_tokens)
+
+    async def _render(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list]:
+        """The conversation's text and ids, rendered and tokenized off the event loop."""
         try:
-            return self.chat_template.render(messages, add_generation_prompt)
+            text = await asyncio.to_thread(self.chat_template.render, messages,
+                                           add_generation_prompt)
         except ValueError as e:
             raise APIError(str(e), "messages") from None
+        return text, await self._encode(text, add_special_tokens=False)
 
     async def chat(self, req: P.ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        text = self._render(req.messages, req.add_generation_prompt)
-        prompt = {"prompt": text,
-                  "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False).ids}
+        text, ids = await self._render(req.messages, req.add_generation_prompt)
+        prompt = {"prompt": text, "prompt_token_ids": ids}
         params = P.chat_params(req, self.defaults, self._room(prompt["prompt_token_ids"]))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         first, gen = await _unless_disconnected(
@@ -228,19 +235,18 @@ class Server:
             "max_model_len": self.engine.engine.config.max_model_len,
             "vocab_size": self.engine.engine.cfg.vocab_size}]}
 
-    def tokenize(self, req: P.TokenizeRequest) -> dict:
+    async def tokenize(self, req: P.TokenizeRequest) -> dict:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            text = self._render(req.messages, req.add_generation_prompt)
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            _, ids = await self._render(req.messages, req.add_generation_prompt)
         else:
             try:
                 prompt = C.text("prompt", req.prompt)
             except ValueError as e:
                 raise APIError(str(e), "prompt") from None
-            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens).ids
+            ids = await self._encode(prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.engine.engine.config.max_model_len,
                 "tokens": ids}
 
@@ -383,7 +389,7 @@ def build_app(engine: AsyncLLM, model_name: str, model_path: str, metrics=None,
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
-        return server.tokenize(await _parse(raw, P.TokenizeRequest))
+        return await server.tokenize(await _parse(raw, P.TokenizeRequest))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
