@@ -16,9 +16,10 @@ from sfjax import checks as C
 
 # model_type -> the architecture config.json names: Mistral is Llama's network (a sliding window,
 # which sfjax does not implement, bounds its context: ``ModelConfig.context``), Qwen2 Llama's
-# with biases on the q, k and v projections (``ModelConfig.qkv_bias``)
+# with biases on the q, k and v projections (``ModelConfig.qkv_bias``), Qwen3 Llama's with an
+# RMSNorm of each query and key head before RoPE (``ModelConfig.qk_norm``)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -80,6 +81,11 @@ class ModelConfig:
         return self.model_type == "qwen2"
 
     @property
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normed before RoPE (Qwen3's)."""
+        return self.model_type == "qwen3"
+
+    @property
     def context(self) -> tuple[int, str]:
         """(the most positions sfjax runs this model at, what sets it): max_position_embeddings,
         or a shorter sliding window. sfjax attends to every key of a sequence, which is the
@@ -92,8 +98,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], dtype: str = "auto") -> "ModelConfig":
-        """Converts a LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM ``config.json``
-        dict; raises ValueError naming the field on anything else."""
+        """Converts a ``config.json`` dict of an architecture in ``ARCHITECTURES``; raises
+        ValueError naming the field on anything else."""
         if not isinstance(hf, dict):
             raise ValueError(f"config.json: must be a JSON object, got {type(hf).__name__}")
         kind = _supported(hf)
@@ -144,7 +150,7 @@ class ModelConfig:
         }
         if self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
         rs = self.rope_scaling
         if rs is not None and rs.rope_type == "linear":
@@ -158,6 +164,7 @@ class ModelConfig:
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         bias = self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+        bias += 2 * self.head_dim if self.qk_norm else 0
         return self.vocab_size * d + head + L * (attn + bias + 3 * d * f + 2 * d) + d
 
 
@@ -180,7 +187,7 @@ def _supported(hf: dict[str, Any]) -> str:
                          f"sfjax loads float32, bfloat16 and float16 weights")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
-    if kind == "qwen2" and (hf.get("use_sliding_window") or "sliding_attention" in (
+    if kind in ("qwen2", "qwen3") and (hf.get("use_sliding_window") or "sliding_attention" in (
             hf.get("layer_types") or ())):
         raise ValueError("config.json: use_sliding_window=true is not supported (sfjax "
                          "attends to every key)")

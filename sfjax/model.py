@@ -71,12 +71,15 @@ def cache_slots(block_tables, slots, positions, block_size):
 
 def qkv(x, positions, lw, cfg: ModelConfig, inv_freq, mm=matmul):
     """Rows' queries, keys and values: the attention norm and the three projections (one fused
-    product, ``mm``: ``Rows.matmul``), RoPE."""
+    product, ``mm``: ``Rows.matmul``), Qwen2's biases and Qwen3's head norms, RoPE."""
     t = x.shape[0]
     q, k, v = mm(x, (lw["wq"], lw["wk"], lw["wv"]), norm=(lw["attn_norm"], cfg.rms_norm_eps))
     if cfg.qkv_bias:
         q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
     q, k, v = (a.reshape(t, -1, cfg.head_dim) for a in (q, k, v))
+    if cfg.qk_norm:
+        eps = cfg.rms_norm_eps
+        q, k = rows.rms_norm(q, lw["q_norm"], eps), rows.rms_norm(k, lw["k_norm"], eps)
     angles, zero = rope_angles(positions, inv_freq), rows.opaque_zero(positions)
     return rope(q, angles, zero), rope(k, angles, zero), v
 

@@ -29,6 +29,9 @@ def forward(w: W.Weights, tokens, cfg: ModelConfig, features: tuple[int, ...] = 
         q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            eps = cfg.rms_norm_eps
+            q, k = rms_norm(q, lw["q_norm"], eps), rms_norm(k, lw["k_norm"], eps)
         angles = rope_angles(positions, inv_freq)
         q, k = rope(q, angles), rope(k, angles)
         attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)   # [B, T, heads, hd]

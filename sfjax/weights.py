@@ -41,6 +41,8 @@ class Weights:
     q_bias: jax.Array | None = None  # [L, heads * head_dim]; None without (``ModelConfig.qkv_bias``)
     k_bias: jax.Array | None = None  # [L, kv_heads * head_dim]
     v_bias: jax.Array | None = None  # [L, kv_heads * head_dim]
+    q_norm: jax.Array | None = None  # [L, head_dim]; None without (``ModelConfig.qk_norm``)
+    k_norm: jax.Array | None = None  # [L, head_dim]
 
 
 class ArrayInfo(NamedTuple):
@@ -75,6 +77,10 @@ def describe(cfg: ModelConfig) -> dict[str, ArrayInfo]:
         for name, n, axis in (("q", q, "q_heads"), ("k", kv, "kv_heads"), ("v", kv, "kv_heads")):
             out[f"{name}_bias"] = ArrayInfo((L, n), ("layers", axis),
                                             p + f"self_attn.{name}_proj.bias", False, "normal")
+    if cfg.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            out[name] = ArrayInfo((L, cfg.head_dim), ("layers", "head_dim"),
+                                  p + f"self_attn.{name}.weight", False, "ones")
     return out
 
 
@@ -120,12 +126,13 @@ def multiplied(name: str) -> bool:
 
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_FIELDS = ("q_bias", "k_bias", "v_bias")     # per layer too, where the model has them
-PER_LAYER = LAYER_FIELDS + BIAS_FIELDS
+HEAD_NORM_FIELDS = ("q_norm", "k_norm")          # the same
+PER_LAYER = LAYER_FIELDS + BIAS_FIELDS + HEAD_NORM_FIELDS
 
 
 def layer_arrays(weights: Weights) -> dict:
-    """The per-layer fields ``weights`` holds (``PER_LAYER``: the biases where the model has
-    them)."""
+    """The per-layer fields ``weights`` holds (``PER_LAYER``: the biases and head norms where
+    the model has them)."""
     return {f: getattr(weights, f) for f in PER_LAYER if getattr(weights, f) is not None}
 
 
@@ -145,10 +152,10 @@ def check(weights: Weights, cfg: ModelConfig) -> None:
     info = describe(cfg)
     if cfg.tie_word_embeddings != (weights.lm_head is None):
         raise ValueError(f"weights.lm_head: expected {'None (tied)' if cfg.tie_word_embeddings else 'an array'}")
-    for name in BIAS_FIELDS:
+    for name in BIAS_FIELDS + HEAD_NORM_FIELDS:
         if (getattr(weights, name) is None) == (name in info):
             raise ValueError(f"weights.{name}: expected "
-                             f"{'an array' if name in info else 'None (the model has no bias)'}")
+                             f"{'an array' if name in info else 'None (the model has none)'}")
     for name, a in info.items():
         x = getattr(weights, name)
         parts = [(name, x, a.shape)]

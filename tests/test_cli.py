@@ -143,10 +143,11 @@ def test_convert_to_orbax_and_back(tiny_folder, tmp_path, capsys):
     assert "exists and is not empty" in capsys.readouterr().err
 
 
-def test_convert_round_trips_qwen2_biases_and_reads_checkpoints_without_them(model_folder,
-                                                                            tmp_path):
-    """A Qwen2 export keeps its q/k/v biases; an export of a model without them, saved before
-    Weights had the fields (no keys for them), still restores."""
+def test_convert_round_trips_qwen_biases_and_head_norms_and_reads_checkpoints_without_them(
+        model_folder, tmp_path):
+    """A Qwen2 export keeps its q/k/v biases, a Qwen3 export its head norms; an export of a
+    model without them, saved before Weights had the fields (no keys for them), still
+    restores."""
     import dataclasses
     import json
     import os
@@ -163,11 +164,14 @@ def test_convert_round_trips_qwen2_biases_and_reads_checkpoints_without_them(mod
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
-    qwen = model_folder(dataclasses.replace(toy.tiny_config(), model_type="qwen2"))
-    assert main(["convert", qwen, str(tmp_path / "q")]) == 0
-    cfg = ModelConfig.from_folder(str(tmp_path / "q"))
-    assert cfg.qkv_bias and cfg == ModelConfig.from_folder(qwen)
-    same(W.load_orbax(str(tmp_path / "q"), cfg), W.load_hf(qwen, cfg))
+    for kind in ("qwen2", "qwen3"):
+        qwen = model_folder(dataclasses.replace(toy.tiny_config(), model_type=kind),
+                            norm_jitter=0.3)
+        assert main(["convert", qwen, str(tmp_path / kind)]) == 0
+        cfg = ModelConfig.from_folder(str(tmp_path / kind))
+        assert (cfg.qkv_bias, cfg.qk_norm) == (kind == "qwen2", kind == "qwen3")
+        assert cfg == ModelConfig.from_folder(qwen)
+        same(W.load_orbax(str(tmp_path / kind), cfg), W.load_hf(qwen, cfg))
     cfg = toy.tiny_config()
     w = W.init_random(cfg, seed=3)
     old = tmp_path / "old"
@@ -176,7 +180,7 @@ def test_convert_round_trips_qwen2_biases_and_reads_checkpoints_without_them(mod
     with ocp.StandardCheckpointer() as ckptr:           # the tree as exports before the biases
         ckptr.save(str(old / W.ORBAX_DIR), {f.name: getattr(w, f.name)
                                             for f in dataclasses.fields(w)
-                                            if f.name not in W.BIAS_FIELDS})
+                                            if f.name not in W.BIAS_FIELDS + W.HEAD_NORM_FIELDS})
     same(W.load_orbax(str(old), cfg), w)
 
 

@@ -257,16 +257,20 @@ def test_config_json_as_transformers_writes_it_means_the_same_model(name, tmp_pa
 
 
 @pytest.mark.parametrize("model_type,window", [("mistral", None), ("mistral", 40),
-                                               ("qwen2", None)])
-def test_mistral_and_qwen2_folders_run_as_hf_runs_them(model_type, window, model_folder,
-                                                       parity_ids):
+                                               ("qwen2", None), ("qwen3", None)])
+def test_mistral_and_qwen_folders_run_as_hf_runs_them(model_type, window, model_folder,
+                                                      parity_ids):
     """MistralForCausalLM is Llama's network with a sliding window of attention, Qwen2ForCausalLM
-    Llama's with biases on q, k and v. sfjax attends to every key, which is the window's
-    attention exactly while a sequence holds at most ``sliding_window`` tokens: the window bounds
-    max_model_len (its default; past it refused, naming the window). Within it the logits and
-    greedy tokens are HF's, and speculation and batching keep a request's tokens."""
-    cfg = dataclasses.replace(CONFIGS["gqa"], model_type=model_type, sliding_window=window)
-    folder = model_folder(cfg, seed=PARITY_SEED, std=PARITY_STD)
+    Llama's with biases on q, k and v, Qwen3ForCausalLM Llama's with each query and key head
+    RMS-normed (here with a head_dim other than hidden / heads, as Qwen3's). sfjax attends to
+    every key, which is the window's attention exactly while a sequence holds at most
+    ``sliding_window`` tokens: the window bounds max_model_len (its default; past it refused,
+    naming the window). Within it the logits and greedy tokens are HF's, and speculation and
+    batching keep a request's tokens."""
+    cfg = dataclasses.replace(CONFIGS["gqa"], model_type=model_type, sliding_window=window,
+                              head_dim=24 if model_type == "qwen3" else 16)
+    jitter = {"norm_jitter": 0.3} if model_type == "qwen3" else {}   # head norms that matter
+    folder = model_folder(cfg, seed=PARITY_SEED, std=PARITY_STD, **jitter)
     assert ModelConfig.from_folder(folder) == cfg
     written = cfg.to_hf_config()
     for bad, match in (({"sliding_window": 0, "model_type": "mistral",
@@ -274,6 +278,8 @@ def test_mistral_and_qwen2_folders_run_as_hf_runs_them(model_type, window, model
                         r"config.json: sliding_window = 0 is out of range"),
                        ({"use_sliding_window": True, "model_type": "qwen2",
                          "architectures": ["Qwen2ForCausalLM"]}, "use_sliding_window"),
+                       ({"use_sliding_window": True, "model_type": "qwen3",
+                         "architectures": ["Qwen3ForCausalLM"]}, "use_sliding_window"),
                        ({"architectures": ["LlamaForCausalLM"]}, "unsupported architecture")):
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_config({**written, **bad})
@@ -281,6 +287,8 @@ def test_mistral_and_qwen2_folders_run_as_hf_runs_them(model_type, window, model
     assert type(hf).__name__ == written["architectures"][0]
     if model_type == "qwen2":                          # the biases are there and matter
         assert hf.model.layers[0].self_attn.k_proj.bias.abs().min() > 0
+    if model_type == "qwen3":                          # so are the head norms
+        assert (hf.model.layers[0].self_attn.k_norm.weight - 1).abs().min() > 0
     n = window or SEQ_LEN
     diff = np.abs(sfjax_logits(folder, parity_ids[:n]) - hf_logits(hf, parity_ids[:n])).max()
     assert diff <= PARITY_TOL, f"max |sfjax - HF {model_type}| = {diff:.3g}"
@@ -294,7 +302,7 @@ def test_mistral_and_qwen2_folders_run_as_hf_runs_them(model_type, window, model
     if model_type == "mistral" and window is None:
         return
     # greedy to the end of the context, alone; then speculating among other requests
-    folder = model_folder(cfg, seed=GREEDY_SEED, std=GREEDY_STD)
+    folder = model_folder(cfg, seed=GREEDY_SEED, std=GREEDY_STD, **jitter)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     limit = window or 40
     prompt = random_ids(12, seed=GREEDY_PROMPT_SEED)

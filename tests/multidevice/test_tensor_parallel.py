@@ -64,8 +64,18 @@ def forward(folder):
 
 
 @pytest.fixture(scope="module")
-def qwen2_forward(model_folder):
-    return _forwards(model_folder(dataclasses.replace(CFG, model_type="qwen2"), seed=0, std=0.1))
+def family_forward(model_folder):
+    """``family_forward(model_type)``: ``_forwards`` of a folder of that family (Qwen3's with
+    head_dim 24, not hidden / heads, and norms that are not ones)."""
+    made = {}
+
+    def get(model_type):
+        if model_type not in made:
+            cfg = dataclasses.replace(CFG, model_type=model_type,
+                                      head_dim=24 if model_type == "qwen3" else CFG.head_dim)
+            made[model_type] = _forwards(model_folder(cfg, seed=0, std=0.1, norm_jitter=0.3))
+        return made[model_type]
+    return get
 
 
 def _forwards(folder):
@@ -107,9 +117,12 @@ def test_sharded_forward_is_bit_equal(forward, tp, dp):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("tp, dp", [(4, 2), (8, 1)])         # KV heads sharded / replicated
-def test_qwen2_biases_sharded_with_their_heads_keep_the_bits(qwen2_forward, tp, dp):
-    for a, b in zip(qwen2_forward(), qwen2_forward(sharding.make_mesh(tp, dp))):
+def test_qwen_biases_and_head_norms_sharded_with_their_heads_keep_the_bits(family_forward,
+                                                                          model_type, tp, dp):
+    forward = family_forward(model_type)
+    for a, b in zip(forward(), forward(sharding.make_mesh(tp, dp))):
         np.testing.assert_array_equal(a, b)
 
 
