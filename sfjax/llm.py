@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -156,11 +156,12 @@ class LLM:
         return self.engine.get_metrics()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of str, or dicts with ``prompt_token_ids``);
         returns RequestOutputs in input order, for these prompts only. Requests added to the
         engine by other means keep running meanwhile; their outputs are left for the engine's
-        next ``step()``."""
+        next ``step()``. ``use_tqdm``: whether to show a progress bar, or (vLLM's) the tqdm
+        class to make it with."""
         prompts = self._prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
@@ -182,7 +183,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., tqdm] = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
         """vLLM's: generates a reply to each conversation (a list of {"role", "content"}
         messages, or a list of such lists) rendered by the model's chat template, as the
         server's chat completions render it; ValueError naming ``messages`` for a model without
@@ -216,14 +218,15 @@ class LLM:
             if not self.engine.holds(rid):
                 return rid
 
-    def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list, use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         """Steps the engine until these requests end; the progress bar counts output tokens
         (a request that ends early gives the bar the rest of its budget)."""
         ids = [r.request_id for r in requests]
         budget = {r.request_id: r.max_tokens for r in requests}
         pending, done = set(ids), {}
-        bar = tqdm(total=sum(budget.values()), desc="Generating", unit="tok", dynamic_ncols=True,
-                   disable=not use_tqdm)
+        bar = (use_tqdm if callable(use_tqdm) else tqdm)(
+            total=sum(budget.values()), desc="Generating", unit="tok", dynamic_ncols=True,
+            disable=not use_tqdm)
         start, n_in = time.monotonic(), 0
         try:
             while pending:

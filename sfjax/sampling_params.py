@@ -32,7 +32,8 @@ class SamplingParams:
         speculation or preemption). Without it the key comes from the engine seed and the
         request's arrival number.
     max_tokens: new tokens at most (vLLM's default is 16). min_tokens: no EOS, stop token or stop
-        string can end the output before this many tokens (stop tokens cannot be drawn).
+        string can end the output before this many tokens (stop tokens cannot be drawn); a stop
+        string counts only where a token past them completes it, as in vLLM.
     stop: strings that end the output (excluded from the text unless
         include_stop_str_in_output). stop_token_ids: tokens that end it (kept in token_ids;
         in the text, as EOS, only with include_stop_str_in_output).
@@ -105,7 +106,8 @@ class SamplingParams:
             raise C.InvalidType(f"SamplingParams.stop = {self.stop!r}: must be a str or a list of str")
         self.stop = [C.text(f(f"stop[{i}]"), x) for i, x in enumerate(stop)]
         _check(all(self.stop), "stop", self.stop, "non-empty strings")
-        self.stop_token_ids = C.int_list(f("stop_token_ids"), self.stop_token_ids or [], 0)
+        stop_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        self.stop_token_ids = C.int_list(f("stop_token_ids"), stop_ids, 0)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "disable_spec_decode"):
             setattr(self, name, C.boolean(f(name), getattr(self, name)))

@@ -264,6 +264,9 @@ def test_a_chat_template_in_chat_template_jinja_serves_chat(tiny_folder, tmp_pat
         messages, tokenize=False, add_generation_prompt=True)
     assert want == "<s>system: Be brief.\n<s>user: hi\nassistant:"
     assert ChatTemplate(str(folder)).render(messages) == want
+    parts = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]   # as vLLM joins
+    assert ChatTemplate(str(folder)).render([{"role": "system", "content": parts},
+                                             messages[1]]) == want.replace("Be ", "Be\n")
     llm = LLM(str(folder), max_num_seqs=2, max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     other = [{"role": "user", "content": "def f"}]

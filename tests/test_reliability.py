@@ -183,6 +183,8 @@ def test_top_k_at_least_the_vocabulary_is_off(llm):
     ([{"prompt_token_ids": [3, 512]}], ValueError, r"prompt_token_ids\[1\] = 512 .*\[0, 512\)"),
     ([{"prompt_token_ids": []}], ValueError, "empty"),
     ([{"prompt": 5}], InvalidType, "prompt = 5"),
+    ([{"prompt": "x", "multi_modal_data": {"image": 1}}], ValueError,   # was dropped unread
+     "prompt 0: prompt: 'multi_modal_data' is not offered"),
 ])
 def test_bad_prompts_name_the_prompt(llm, prompt, error, match):
     with pytest.raises(error, match=match):
@@ -193,6 +195,19 @@ def test_bad_prompts_name_the_prompt(llm, prompt, error, match):
 def test_the_empty_string_is_a_prompt(llm):
     [out] = llm.generate("", GREEDY, use_tqdm=False)
     assert out.prompt_token_ids == [0] and len(out.outputs[0].token_ids) == 10      # <s> alone
+
+
+def test_use_tqdm_may_be_the_progress_bar_class(llm):
+    """vLLM's ``use_tqdm`` takes the tqdm class to draw the bar with (it drew sfjax's own)."""
+    from tqdm import tqdm
+    made = []
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs["total"])
+            super().__init__(*args, **kwargs)
+    [out] = llm.generate("x", GREEDY, use_tqdm=Bar)
+    assert made == [10] and len(out.outputs[0].token_ids) == 10
 
 
 def test_bad_request_ids(llm):

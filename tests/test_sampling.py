@@ -319,6 +319,15 @@ def test_stop_strings(llm):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop,
                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert out.text == base.text[:cut + len(stop)]
+    # min_tokens: as in vLLM, a stop string counts where a token past min_tokens completes it
+    decode = llm.get_tokenizer().decode
+    k = next(n for n in range(1, 25) if stop in decode(base.token_ids[:n]))   # completes it
+    for min_tokens, stopped in ((k - 1, True), (k, False)):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                  stop=stop, min_tokens=min_tokens),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == base.token_ids[:len(out.token_ids)]
+        assert (out.text == base.text[:cut]) == stopped and (len(out.token_ids) > k) != stopped
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -327,6 +336,7 @@ def test_stop_strings(llm):
     (dict(prompt_logprobs=50), "prompt_logprobs"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(stop=["ok", ""]), "stop"), (dict(n=2), "n"), (dict(seed=-1), "seed"),
+    (dict(stop_token_ids=np.array([3, 4])), "stop_token_ids"),   # numpy's truth-value error
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} .*must be"):

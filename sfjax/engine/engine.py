@@ -256,6 +256,10 @@ class Engine:
                 raise ValueError(f"prompt: the tokenizer gives token id {bad}, outside the "
                                  f"model's vocabulary [0, {self.cfg.vocab_size})")
             return prompt, ids
+        if isinstance(prompt, dict) and (extra := sorted(set(prompt) - {"prompt",
+                                                                        "prompt_token_ids"})):
+            raise ValueError(f"prompt: {extra[0]!r} is not offered (a prompt dict takes "
+                             f"'prompt' and 'prompt_token_ids')")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = C.int_list("prompt_token_ids", prompt["prompt_token_ids"], 0,
                              self.cfg.vocab_size - 1, allowed=vocab)

@@ -33,7 +33,7 @@ class OutputProcessor:
             req.cumulative_logprob += logprob[token].logprob
         self.stats["generation_tokens"] += 1
         n, p = len(req.output_token_ids), req.params
-        stop = self.stop_string(req, piece) if n >= p.min_tokens else None
+        stop = self.stop_string(req, piece) if n > p.min_tokens else None    # vLLM's rule
         if n >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
             self.finish(req, "stop", None, on_token=True)
         elif n >= p.min_tokens and token in p.stop_token_ids:
