@@ -265,6 +265,11 @@ def test_other_bad_requests_get_400(client, server):
             "guided_json": {"type": "object"}}), "guided_json"),
         (lambda: client.completions.create(model=MODEL, prompt="x", extra_body={
             "prompt_logprobs": 1}), "prompt_logprobs"),
+        (lambda: chat(modalities=["text", "audio"]), "modalities"),
+        (lambda: chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
+        (lambda: chat(extra_body={"length_penalty": 2.0}), "length_penalty"),
+        (lambda: chat(stream=True, stream_options={"include_usage": True, "per_token": True}),
+         "stream_options"),
     ]
     for call, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -279,6 +284,55 @@ def test_other_bad_requests_get_400(client, server):
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 3}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_vllm_fields_are_honoured_and_nulls_are_defaults(client, server, offline):
+    """vLLM's add_special_tokens (completions: BOS by default; chat: none), its
+    return_tokens_as_token_ids and stream_options.continuous_usage_stats are honoured (each was
+    accepted and ignored), and OpenAI's nullable fields sent as null take their defaults (they
+    were refused)."""
+    tok = offline.get_tokenizer()
+    kw = dict(model=MODEL, prompt="def fib(n):", max_tokens=4, temperature=0)
+    for add, ids in ((True, tok.encode("def fib(n):").ids),
+                     (False, tok.encode("def fib(n):", add_special_tokens=False).ids)):
+        r = client.completions.create(**kw, extra_body={"add_special_tokens": add,
+                                                        "return_token_ids": True})
+        assert r.choices[0].model_extra["prompt_token_ids"] == ids
+    messages = [{"role": "user", "content": "hi"}]
+    counts = {}
+    for add in (False, True):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           extra_body={"add_special_tokens": add})
+        t = httpx.post(f"{server.url}/tokenize", json={"messages": messages,
+                                                       "add_special_tokens": add}, timeout=10)
+        counts[add] = r.usage.prompt_tokens
+        assert counts[add] == t.json()["count"]
+    assert counts[True] == counts[False] + 1                    # the tokenizer's BOS
+    r = client.completions.create(**kw, logprobs=2, extra_body={
+        "return_tokens_as_token_ids": True, "return_token_ids": True})
+    c = r.choices[0]
+    assert c.logprobs.tokens == [f"token_id:{t}" for t in c.model_extra["token_ids"]]
+    assert all(k.startswith("token_id:") for top in c.logprobs.top_logprobs for k in top)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, logprobs=True,
+                                       top_logprobs=2, extra_body={
+                                           "return_tokens_as_token_ids": True,
+                                           "return_token_ids": True})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert [e.token for e in r.choices[0].logprobs.content] == [f"token_id:{t}" for t in ids]
+    usages = [chunk.usage for chunk in client.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True,
+                                           "continuous_usage_stats": True})]
+    assert all(u is not None for u in usages) and len(usages) >= 3
+    done = [u.completion_tokens for u in usages]
+    assert done == sorted(done) and usages[-1].completion_tokens == 4
+    whole = client.completions.create(**kw).choices[0].text
+    nulls = dict(n=None, stream=None, echo=None, presence_penalty=None, frequency_penalty=None)
+    r = httpx.post(f"{server.url}/v1/completions", json={**kw, **nulls}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == whole, r.text
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_tokens": 2, "logprobs": None, **nulls,
+        "echo": None}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_models_tokenize_detokenize(client, server, offline):

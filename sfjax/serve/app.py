@@ -133,7 +133,8 @@ class Server:
         prompt = P.completion_prompt(req)
         if isinstance(prompt, str):      # counted here for max_tokens; the engine checks it
             try:
-                prompt = {"prompt": prompt, "prompt_token_ids": await self._encode(prompt)}
+                prompt = {"prompt": prompt, "prompt_token_ids": await self._encode(
+                    prompt, req.add_special_tokens)}
             except Exception:
                 pass
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
@@ -145,7 +146,8 @@ class Server:
         return await self._whole(req, raw, rid, "text_completion", first, gen, lambda c: {
             "index": 0, "text": c.text, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
-            "logprobs": (P.completion_logprobs(list(zip(c.token_ids, c.logprobs)), 0)
+            "logprobs": (P.completion_logprobs(list(zip(c.token_ids, c.logprobs)), 0,
+                                               req.return_tokens_as_token_ids)
                          if params.logprobs is not None else None)})
 
     async def _whole(self, req, raw: Request, rid: str, kind: str, first, gen, choice):
@@ -170,7 +172,8 @@ class Server:
             c = out.outputs[0]
             choice = {"index": 0, "text": text, "finish_reason": reason,
                       "stop_reason": c.stop_reason if reason else None,
-                      "logprobs": (P.completion_logprobs(entries, offset)
+                      "logprobs": (P.completion_logprobs(entries, offset,
+                                                         req.return_tokens_as_token_ids)
                                    if params.logprobs is not None else None)}
             if req.return_token_ids:
                 choice["token_ids"] = ids
@@ -186,18 +189,20 @@ class Server:
         """``text``'s ids, tokenized off the event loop (streams go on meanwhile)."""
         return await asyncio.to_thread(encode, self.tokenizer, text, add_special_tokens)
 
-    async def _render(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list]:
+    async def _render(self, messages: list[dict], add_generation_prompt: bool,
+                      add_special_tokens: bool) -> tuple[str, list]:
         """The conversation's text and ids, rendered and tokenized off the event loop."""
         try:
             text = await asyncio.to_thread(self.chat_template.render, messages,
                                            add_generation_prompt)
         except ValueError as e:
             raise APIError(str(e), "messages") from None
-        return text, await self._encode(text, add_special_tokens=False)
+        return text, await self._encode(text, add_special_tokens)
 
     async def chat(self, req: P.ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        text, ids = await self._render(req.messages, req.add_generation_prompt)
+        text, ids = await self._render(req.messages, req.add_generation_prompt,
+                                       req.add_special_tokens)
         prompt = {"prompt": text, "prompt_token_ids": ids}
         params = P.chat_params(req, self.defaults, self._room(prompt["prompt_token_ids"]))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -209,7 +214,8 @@ class Server:
         return await self._whole(req, raw, rid, "chat.completion", first, gen, lambda c: {
             "index": 0, "message": {"role": "assistant", "content": c.text},
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            "logprobs": (P.chat_logprobs(list(zip(c.token_ids, c.logprobs)), top)
+            "logprobs": (P.chat_logprobs(list(zip(c.token_ids, c.logprobs)), top,
+                                         req.return_tokens_as_token_ids)
                          if req.logprobs else None)})
 
     def _chat_chunks(self, req, params, rid, first, gen, top) -> AsyncIterator[dict]:
@@ -217,7 +223,8 @@ class Server:
             c = out.outputs[0]
             choice = {"index": 0, "delta": {"content": text} if text or reason is None else {},
                       "finish_reason": reason, "stop_reason": c.stop_reason if reason else None,
-                      "logprobs": P.chat_logprobs(entries, top) if req.logprobs else None}
+                      "logprobs": (P.chat_logprobs(entries, top, req.return_tokens_as_token_ids)
+                                   if req.logprobs else None)}
             if req.return_token_ids:
                 choice["token_ids"] = ids
             return choice
@@ -240,13 +247,14 @@ class Server:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            _, ids = await self._render(req.messages, req.add_generation_prompt)
+            _, ids = await self._render(req.messages, req.add_generation_prompt,
+                                        bool(req.add_special_tokens))      # chat's default
         else:
             try:
                 prompt = C.text("prompt", req.prompt)
             except ValueError as e:
                 raise APIError(str(e), "prompt") from None
-            ids = await self._encode(prompt, req.add_special_tokens)
+            ids = await self._encode(prompt, req.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": self.engine.engine.config.max_model_len,
                 "tokens": ids}
 
@@ -269,16 +277,20 @@ async def _chunks(req, params, first, gen, head, choice, opening: dict | None = 
                   ) -> AsyncIterator[dict]:
     """A streamed response's chunks: ``opening`` (a first choice, if given), then one per output
     with new text, tokens or the end (``choice(out, text, ids, logprob entries, text offset,
-    finish reason or None)``), then with include_usage a last chunk with the usage. An output
-    the engine failed, or an engine that stopped serving it (``_engine_error``), ends the stream
-    with OpenAI's error body as its event (before [DONE])."""
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    finish reason or None)``), then with include_usage a last chunk with the usage (and with
+    continuous_usage_stats the usage so far on every chunk, vLLM's). An output the engine
+    failed, or an engine that stopped serving it (``_engine_error``), ends the stream with
+    OpenAI's error body as its event (before [DONE])."""
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and options.continuous_usage_stats
 
-    def chunk(choices: list, **extra) -> dict:
-        return {**head(), "choices": choices, **({"usage": None} if include_usage else {}), **extra}
+    def chunk(choices: list, out, **extra) -> dict:
+        usage = {"usage": P.usage(*out) if continuous else None} if include_usage else {}
+        return {**head(), "choices": choices, **usage, **extra}
 
     if opening is not None:
-        yield chunk([opening])
+        yield chunk([opening], (first, 0))
     delta, out = Delta(params), first
     async with contextlib.aclosing(_chain(first, gen)) as outs:
         try:
@@ -289,7 +301,7 @@ async def _chunks(req, params, first, gen, head, choice, opening: dict | None = 
                 text, ids, entries, offset = delta.take(out)
                 reason = out.outputs[0].finish_reason if out.finished else None
                 if text or ids or reason is not None:
-                    yield chunk([choice(out, text, ids, entries, offset, reason)],
+                    yield chunk([choice(out, text, ids, entries, offset, reason)], (out,),
                                 **({"sfjax": P.sfjax_info(out)} if reason is not None else {}))
         except (EngineClosed, EngineStepFailed) as e:
             yield _engine_error(e).body()

@@ -8,7 +8,7 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sfjax.sampling_params import SamplingParams
 
@@ -29,8 +29,22 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """A request body: a field sent as null takes its default (OpenAI's fields are nullable)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class StreamOptions(_Request):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False        # vLLM's: the usage so far on every chunk
 
 
 # Fields OpenAI or vLLM define that change what comes back and sfjax does not offer, with the
@@ -46,11 +60,15 @@ _NOT_OFFERED = {
     "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
     "guided_decoding_backend": (None,), "echo": (None, False),     # chat's echo (completions': its own)
     "continue_final_message": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
+    "chat_template_kwargs": (None, {}), "reasoning_effort": (None,),
+    "modalities": (None, ["text"]), "audio": (None,), "documents": (None, []),
+    "spaces_between_special_tokens": (None, True), "length_penalty": (None, 1.0),
+    "priority": (None, 0), "cache_salt": (None,), "mm_processor_kwargs": (None,),
+    "prompt_embeds": (None,), "guided_whitespace_pattern": (None,), "vllm_xargs": (None,),
 }
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Request):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras, then sfjax's;
     others are kept aside (``model_extra``) for ``_NOT_OFFERED``."""
     model_config = ConfigDict(extra="allow")
@@ -79,6 +97,7 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False   # logprobs' tokens as "token_id:N"
     # sfjax's: speculation per request
     disable_spec_decode: bool = False
     spec_strategy: str | None = None
@@ -91,6 +110,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True             # vLLM's: the tokenizer's BOS before a text prompt
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -99,18 +119,19 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True          # vLLM's
+    add_special_tokens: bool = False            # vLLM's: the template writes them
     tools: list | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None      # as the completion's (prompt) or chat's (messages)
     add_generation_prompt: bool = True          # with messages: as the chat request's
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
@@ -226,36 +247,47 @@ def _lp(x: float) -> float:
     return max(x, MIN_LOGPROB)
 
 
-def completion_logprobs(entries: list[dict], offset: int) -> dict:
+def _token(token_id: int, lp, as_ids: bool) -> str:
+    """A logprob entry's token as the response names it: its text, or (vLLM's
+    ``return_tokens_as_token_ids``) "token_id:N"."""
+    return f"token_id:{token_id}" if as_ids else lp.decoded_token or ""
+
+
+def completion_logprobs(entries: list[dict], offset: int, as_ids: bool = False) -> dict:
     """OpenAI's completions logprobs for output positions whose entries are given, the first at
-    ``offset`` characters into the text."""
+    ``offset`` characters into the text; ``as_ids``: tokens named "token_id:N"."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entry in entries:
         chosen = entry[token_id]
-        piece = chosen.decoded_token or ""
-        out["tokens"].append(piece)
+        out["tokens"].append(_token(token_id, chosen, as_ids))
         out["token_logprobs"].append(_lp(chosen.logprob))
-        out["top_logprobs"].append({(lp.decoded_token or ""): _lp(lp.logprob) for lp in entry.values()})
+        out["top_logprobs"].append({_token(t, lp, as_ids): _lp(lp.logprob)
+                                    for t, lp in entry.items()})
         out["text_offset"].append(offset)
-        offset += len(piece)
+        offset += len(chosen.decoded_token or "")
     return out
 
 
-def chat_logprobs(entries: list[dict], top: int) -> dict:
-    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    def one(lp):
-        piece = lp.decoded_token or ""
-        return {"token": piece, "logprob": _lp(lp.logprob), "bytes": list(piece.encode())}
+def chat_logprobs(entries: list[dict], top: int, as_ids: bool = False) -> dict:
+    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]};
+    ``as_ids``: tokens named "token_id:N"."""
+    def one(token_id, lp):
+        token = _token(token_id, lp, as_ids)
+        return {"token": token, "logprob": _lp(lp.logprob), "bytes": list(token.encode())}
     content = []
     for token_id, entry in entries:
-        tops = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top),
-                      key=lambda lp: lp.rank)
-        content.append({**one(entry[token_id]), "top_logprobs": [one(lp) for lp in tops]})
+        tops = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None
+                       and lp.rank <= top), key=lambda item: item[1].rank)
+        content.append({**one(token_id, entry[token_id]),
+                        "top_logprobs": [one(t, lp) for t, lp in tops]})
     return {"content": content}
 
 
-def usage(out) -> dict:
-    n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids) if out.outputs else 0
+def usage(out, n_out: int | None = None) -> dict:
+    """OpenAI's usage of ``out`` (``n_out`` output tokens if given, else its own)."""
+    n_in = len(out.prompt_token_ids)
+    if n_out is None:
+        n_out = len(out.outputs[0].token_ids) if out.outputs else 0
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
