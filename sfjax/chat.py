@@ -3,6 +3,7 @@ server's chat completions and ``/tokenize``)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 from sfjax.config import read_json
@@ -24,7 +25,10 @@ class ChatTemplate:
                           or os.path.isfile(os.path.join(path, "chat_template.jinja")))
         self._tokenizer = None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               variables: dict | None = None) -> str:
+        """The conversation's text; ``variables``: vLLM's ``chat_template_kwargs``, more names
+        the template reads (e.g. Qwen3's ``enable_thinking``)."""
         if not self.available:
             raise ValueError("messages: this model has no chat template (no chat_template.jinja, "
                              "no chat_template in its tokenizer_config.json)")
@@ -34,11 +38,27 @@ class ChatTemplate:
         if self._tokenizer is None:     # transformers loads only when chat is used
             from transformers import PreTrainedTokenizerFast
             self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.path)
+        variables = _variables(variables, self._tokenizer.apply_chat_template)
         try:
             return self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **variables)
         except Exception as e:           # jinja's TemplateError and the like
             raise ValueError(f"messages: the chat template failed: {e}") from None
+
+
+def _variables(variables, apply) -> dict:
+    """``chat_template_kwargs`` as the template's variables: a dict by name, none of them a
+    parameter of transformers' ``apply_chat_template`` itself (``tokenize``, ``tools``, ...)."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict) or not all(isinstance(k, str) and k.isidentifier()
+                                                  for k in variables):
+        raise ValueError("chat_template_kwargs: must be a dict of the template's variables by name")
+    own = sorted(set(variables) & set(inspect.signature(apply).parameters))
+    if own:
+        raise ValueError(f"chat_template_kwargs: {own[0]!r} is not offered (a parameter of the "
+                         f"rendering, not a variable of the template)")
+    return variables
 
 
 def _message(m, i: int) -> dict:

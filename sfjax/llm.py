@@ -183,17 +183,19 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., tqdm] = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., tqdm] = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's: generates a reply to each conversation (a list of {"role", "content"}
         messages, or a list of such lists) rendered by the model's chat template, as the
         server's chat completions render it; ValueError naming ``messages`` for a model without
-        a template or a message it cannot take."""
+        a template or a message it cannot take; ``chat_template_kwargs``: more variables for the
+        template (vLLM's; e.g. Qwen3's ``enable_thinking``)."""
         batch = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         prompts = []
         for i, conversation in enumerate(batch):
             try:
-                text = self.chat_template.render(conversation, add_generation_prompt)
+                text = self.chat_template.render(conversation, add_generation_prompt,
+                                                 chat_template_kwargs)
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if len(batch) > 1 else str(e)) from None
             prompts.append({"prompt": text, "prompt_token_ids":

@@ -259,11 +259,17 @@ def test_a_chat_template_in_chat_template_jinja_serves_chat(tiny_folder, tmp_pat
         llm.chat(messages)
     (folder / "chat_template.jinja").write_text(
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}")
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}")
     want = PreTrainedTokenizerFast.from_pretrained(str(folder)).apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True)
     assert want == "<s>system: Be brief.\n<s>user: hi\nassistant:"
     assert ChatTemplate(str(folder)).render(messages) == want
+    # vLLM's chat_template_kwargs: more of the template's variables (Qwen3's enable_thinking)
+    quiet = ChatTemplate(str(folder)).render(messages, True, {"enable_thinking": False})
+    assert quiet == want + " /no_think"
+    with pytest.raises(ValueError, match="chat_template_kwargs: 'tokenize' is not offered"):
+        ChatTemplate(str(folder)).render(messages, True, {"tokenize": True})
     parts = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]   # as vLLM joins
     assert ChatTemplate(str(folder)).render([{"role": "system", "content": parts},
                                              messages[1]]) == want.replace("Be ", "Be\n")
@@ -277,6 +283,8 @@ def test_a_chat_template_in_chat_template_jinja_serves_chat(tiny_folder, tmp_pat
     assert [o.prompt_token_ids for o in got] == ids and ids[0][:1] == [0]    # one BOS
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert got[0].prompt == want
+    assert llm.chat(messages, params, use_tqdm=False, chat_template_kwargs={
+        "enable_thinking": False})[0].prompt == quiet
     with pytest.raises(ValueError, match=r"messages\[0\].role: 'robot' is not one of"):
         llm.chat([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match=r"messages\[0\].content: only text parts \(each a str\)"):

@@ -268,6 +268,8 @@ def test_other_bad_requests_get_400(client, server):
         (lambda: chat(modalities=["text", "audio"]), "modalities"),
         (lambda: chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
         (lambda: chat(extra_body={"length_penalty": 2.0}), "length_penalty"),
+        (lambda: chat(extra_body={"chat_template_kwargs": {"tokenize": True}}),
+         "chat_template_kwargs"),
         (lambda: chat(stream=True, stream_options={"include_usage": True, "per_token": True}),
          "stream_options"),
     ]
@@ -277,7 +279,8 @@ def test_other_bad_requests_get_400(client, server):
         assert e.value.body["param"] == param, e.value.body
     # what asks for nothing passes: text format, no tool choice, unknown fields
     for kw in (dict(response_format={"type": "text"}, tool_choice="none"),
-               dict(tool_choice="auto", user="u", extra_body={"metadata_of_mine": 1})):
+               dict(tool_choice="auto", user="u", extra_body={"metadata_of_mine": 1}),
+               dict(extra_body={"chat_template_kwargs": {"enable_thinking": False}})):
         assert chat(**kw).choices[0].message.content is not None
     for body in (b'{"prompt": "x"', b"[1, 2", b"not json"):
         r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=10)

@@ -59,8 +59,7 @@ _NOT_OFFERED = {
     "use_beam_search": (None, False), "prompt_logprobs": (None,), "bad_words": (None, []),
     "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
     "guided_decoding_backend": (None,), "echo": (None, False),     # chat's echo (completions': its own)
-    "continue_final_message": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}), "reasoning_effort": (None,),
+    "continue_final_message": (None, False), "chat_template": (None,), "reasoning_effort": (None,),
     "modalities": (None, ["text"]), "audio": (None,), "documents": (None, []),
     "spaces_between_special_tokens": (None, True), "length_penalty": (None, 1.0),
     "priority": (None, 0), "cache_salt": (None,), "mm_processor_kwargs": (None,),
@@ -120,6 +119,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True          # vLLM's
     add_special_tokens: bool = False            # vLLM's: the template writes them
+    chat_template_kwargs: dict[str, Any] | None = None    # vLLM's: more template variables
     tools: list | None = None
 
 
@@ -129,6 +129,7 @@ class TokenizeRequest(_Request):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None      # as the completion's (prompt) or chat's (messages)
     add_generation_prompt: bool = True          # with messages: as the chat request's
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):
