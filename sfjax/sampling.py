@@ -144,17 +144,21 @@ class Sampling(_Filters):
 
 def _lists(params: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> tuple[list, list, list]:
     """Per request its stop ids (EOS unless ignored, then stop_token_ids), its sorted
-    logit_bias items and its allowed ids."""
-    return ([([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids) for p in params],
+    logit_bias items and its allowed ids; each id once (a list repeating an id asks nothing
+    more, and must not widen the table)."""
+    once = lambda ids: list(dict.fromkeys(ids))
+    return ([once(([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids))
+             for p in params],
             [sorted((p.logit_bias or {}).items()) for p in params],
-            [list(p.allowed_token_ids or []) for p in params])
+            [once(p.allowed_token_ids or []) for p in params])
 
 
 # The narrowest id lists a table has (stop ids with EOS, logit_bias entries, allowed ids): a
 # request within them leaves every compiled program's shapes as they are, so ordinary requests
 # never make a serving engine recompile its rounds. A wider list doubles its width (a new shape
-# for every program, compiled once, until that request leaves). Their cost is gathers and
-# scatters of [rows, width] beside [rows, vocab] logits.
+# for every program, compiled once, until that request leaves; an engine keeps a few such
+# widenings compiled, ``engine.programs.WIDE_PROGRAMS``). Their cost is gathers and scatters of
+# [rows, width] beside [rows, vocab] logits.
 MIN_LIST_WIDTHS = (8, 16, 64)
 
 

@@ -126,7 +126,7 @@ class Engine:
                                 config.max_num_seqs) if speculative else None)
         self.state = self._initial_state()
         self.run = self._run_config(tiles(cfg, self.weights))
-        self.programs = programs.programs_for(self)     # compiled for this engine; freed with it
+        self._programs = programs.ByWidths(self, self.slots.widths)   # freed with the engine
         self.buckets = compile.Buckets(self.config, dp, self.spec, self.scheduler.shard_of, self.run)
         self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
         self.requests: dict[str, Request] = {}
@@ -573,11 +573,18 @@ class Engine:
                     m.add(d, a)
         return self.outputs.output(req, new_token_ids=new)
 
+    @property
+    def programs(self) -> programs.Programs:
+        """The engine's compiled programs for its device table as it is now (the id lists'
+        widths, ``programs.ByWidths``)."""
+        return self._programs(self, self.slots.widths)
+
     def _sync(self, progress=None) -> None:
         """Sends the slot rows that changed since the last call (``engine.slots``; with
         ``progress``, every slot's progress too), then marks the call dispatched: a failure from
         here on is the device call's."""
-        self.state = self.slots.sync(self.state, self.scheduler.running, self.programs, progress)
+        self.state = self.slots.sync(self.state, self.scheduler.running,
+                                     lambda widths: self._programs(self, widths), progress)
         self._dispatched = True
 
     def buckets_pending(self) -> list[tuple]:

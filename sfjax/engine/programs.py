@@ -35,6 +35,12 @@ from sfjax.spec import eagle
 
 PROGRAM_CACHE_SIZE = int(os.environ.get("SFJAX_PROGRAM_CACHE", "16"))
 EXECUTABLE_CACHE_SIZE = int(os.environ.get("SFJAX_EXECUTABLE_CACHE", "24"))
+# The widened sampling tables an engine keeps programs for beside its own: a request whose stop
+# ids, logit_bias or allowed ids outgrow the table's lists widens them (``sampling.list_widths``),
+# new shapes for every program; past this many the least recently used widening's programs are
+# let go (compiled again if it comes back), so what a serving engine holds does not grow with
+# the widths its clients ask for.
+WIDE_PROGRAMS = 2
 
 _recent: collections.OrderedDict = collections.OrderedDict()
 
@@ -92,32 +98,57 @@ def _trim(keep: int) -> None:
         _recent.popitem(last=False)
 
 
-def programs_for(engine) -> Programs:
-    """The engine's programs, each shared with recent engines that agree on what that program
-    is specialised on, and nothing more (its ``RunConfig``, the rounds a call may run, the
-    shapes and dtypes of the arrays it carries, and the XLA options it is compiled with; the
-    batch's shapes are keyed by jit itself)."""
+class ByWidths:
+    """An engine's programs by its sampling table's id-list widths: those of the widths it
+    starts with (``programs_for``) always, and up to ``WIDE_PROGRAMS`` widened ones (its own,
+    not shared), the least recently used let go. Holds no reference to the engine."""
+
+    def __init__(self, engine, widths: tuple[int, int, int]):
+        self.base = widths
+        self._by = collections.OrderedDict([(widths, programs_for(engine))])
+
+    def __call__(self, engine, widths: tuple[int, int, int]) -> Programs:
+        """``engine``'s programs (the one this was built for) for a table of ``widths``."""
+        found = self._by.pop(widths, None) or programs_for(engine, share=False)
+        self._by[widths] = found
+        wide = [w for w in self._by if w != self.base]
+        for w in wide[:max(0, len(wide) - WIDE_PROGRAMS)]:
+            del self._by[w]
+        return found
+
+    def held(self) -> list[tuple[int, int, int]]:
+        """The widths whose programs are held, least recently used first."""
+        return list(self._by)
+
+
+def programs_for(engine, share: bool = True) -> Programs:
+    """The engine's programs, each shared (``share``) with recent engines that agree on what
+    that program is specialised on, and nothing more (its ``RunConfig``, the rounds a call may
+    run, the shapes and dtypes of the arrays it carries, and the XLA options it is compiled
+    with; the batch's shapes are keyed by jit itself)."""
+    get = _shared if share else (lambda key, build: build())
     run, spec = engine.run.of_device(), engine.spec
     target = _shapes((engine.weights, engine.state))
     draft = None if spec is None else _shapes(spec.draft_weights)
     steps, opts = engine.config.num_scheduler_steps, engine.config.compiler_options
     progs = dict(
-        write_history=_shared(("write_history", _shapes(engine.state), opts),
-                              lambda: _jit(step.write_history, ("state",), opts)),
-        update_slots=_shared(("update_slots", _shapes(engine.state), opts),
-                             lambda: _jit(step.update_slots, ("state",), opts)),
-        update_blocks=_shared(("update_blocks", _shapes(engine.state.block_tables), opts),
-                              lambda: _jit(step.update_blocks, ("block_tables",), opts)),
+        write_history=get(("write_history", _shapes(engine.state), opts),
+                          lambda: _jit(step.write_history, ("state",), opts)),
+        update_slots=get(("update_slots", _shapes(engine.state), opts),
+                         lambda: _jit(step.update_slots, ("state",), opts)),
+        update_blocks=get(("update_blocks", _shapes(engine.state.block_tables), opts),
+                          lambda: _jit(step.update_blocks, ("block_tables",), opts)),
         forget=None, max_rounds=steps)
     if spec is not None and spec.head_cfg is not None:
-        progs["forget"] = _shared(("forget", _shapes(engine.state), opts),
-                                  lambda: _jit(forget, ("state",), opts))
+        progs["forget"] = get(("forget", _shapes(engine.state), opts),
+                              lambda: _jit(forget, ("state",), opts))
     for name, logprobs in (("round", False), ("round_logprobs", True)):
-        progs[name] = _shared(
+        progs[name] = get(
             ("round", run, steps, logprobs, target, draft, opts),
             lambda logprobs=logprobs: _jit(rounds.call, ("state",), opts, run=run,
                                            max_rounds=steps, with_logprobs=logprobs))
-    _trim(keep=sum(callable(p) for p in progs.values()))
+    if share:
+        _trim(keep=sum(callable(p) for p in progs.values()))
     return Programs(**progs)
 
 

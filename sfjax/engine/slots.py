@@ -53,7 +53,7 @@ class SlotSync:
         self.mesh = mesh
         self._sent = np.zeros_like(block_tables)              # the device's block tables
         self._held: list = [None] * block_tables.shape[0]     # whose settings each slot holds
-        self._widths = widths([])                             # the device table's list widths
+        self.widths = widths([])                              # the device table's list widths
         # the device's progress, a row per slot: int32 [slots, 8], Progress's fields in order
         self.progress = np.zeros((block_tables.shape[0], len(PROGRESS_FIELDS)), np.int32)
 
@@ -61,14 +61,14 @@ class SlotSync:
         """An update of ``u`` padding rows (it changes nothing; ``precompile`` runs it)."""
         n = self.block_tables.shape[0]
         return (np.full(u, n, np.int32), np.zeros((u, self.block_tables.shape[1]), np.int32),
-                self._table([], [], u, self._widths),
+                self._table([], [], u, self.widths),
                 Progress.of_rows(np.zeros((u, len(PROGRESS_FIELDS)), np.int32)))
 
     def initial(self) -> tuple[jax.Array, sampling.Sampling, Progress]:
         """The device's block tables, sampling table and progress before any request: zeros,
         inert."""
         n = self.block_tables.shape[0]
-        return self._place((self._sent, self._table([], [], n, self._widths),
+        return self._place((self._sent, self._table([], [], n, self.widths),
                             Progress.of_rows(self.progress)))
 
     def _place(self, tree):
@@ -78,24 +78,24 @@ class SlotSync:
             return jax.device_put(tree)
         return sharding.put(tree, jax.tree.map(lambda _: P(), tree), self.mesh)
 
-    def sync(self, state, running, programs, progress: np.ndarray | None = None):
+    def sync(self, state, running, programs_of: Callable, progress: np.ndarray | None = None):
         """``state`` with the slots of ``running`` (requests holding slots) current, and with
         ``progress`` (every slot's row, as ``self.progress``) if given, else the progress as it
-        is; ``programs``: the engine's (``update_slots``, ``update_blocks``). A change of the id
-        lists' widths (a request needing longer lists arrived, or the last that did left) sends
-        the whole table."""
+        is; ``programs_of(widths)``: the engine's programs for a table of those id-list widths
+        (``programs.ByWidths``). A change of the widths (a request needing longer lists arrived,
+        or the last that did left) sends the whole table."""
         n = len(self._held)
         now: list = [None] * n
         for req in running:
             now[req.slot] = req
         changed = np.array([a is not b for a, b in zip(now, self._held)])
         widths = (self._widths_of([r for r in now if r is not None]) if changed.any()
-                  else self._widths)
-        if widths != self._widths:
+                  else self.widths)
+        if widths != self.widths:
             live = [s for s in range(n) if now[s] is not None]
             table = self._table([now[s] for s in live], live, n, widths)
             state = dataclasses.replace(state, table=self._place(table))
-            self._held, self._widths = now, widths
+            self._held, self.widths = now, widths
             changed[:] = False
         paged = (self.block_tables != self._sent).any(axis=1)
         sent_progress = self.progress
@@ -111,12 +111,13 @@ class SlotSync:
         slots[:dirty.size] = dirty
         blocks = np.zeros((u, self.block_tables.shape[1]), np.int32)
         blocks[:dirty.size] = self.block_tables[dirty]
+        programs = programs_of(self.widths)
         if not changed.any():          # pages alone
             state = dataclasses.replace(
                 state, block_tables=programs.update_blocks(state.block_tables, slots, blocks))
         else:
             held = [(i, now[s]) for i, s in enumerate(dirty) if now[s] is not None]
-            rows = self._table([r for _, r in held], [i for i, _ in held], u, self._widths)
+            rows = self._table([r for _, r in held], [i for i, _ in held], u, self.widths)
             sent = np.zeros((u, self.progress.shape[1]), np.int32)
             sent[:dirty.size] = sent_progress[dirty]
             state = programs.update_slots(state, slots, blocks, rows, Progress.of_rows(sent))
