@@ -62,8 +62,8 @@ def _variables(variables, apply) -> dict:
 
 
 def _message(m, i: int) -> dict:
-    """A message with its content as one string (text parts joined by newlines, as vLLM joins
-    them for templates that take a string)."""
+    """A message with its content as one string (its non-empty text parts joined by newlines,
+    as vLLM joins them for templates that take a string)."""
     if not isinstance(m, dict):
         raise ValueError(f"messages[{i}]: must be a dict with 'role' and 'content', got "
                          f"{type(m).__name__}")
@@ -74,7 +74,7 @@ def _message(m, i: int) -> dict:
         if any(not isinstance(p, dict) or p.get("type") != "text"
                or not isinstance(p.get("text", ""), str) for p in content):
             raise ValueError(f"messages[{i}].content: only text parts (each a str) are offered")
-        content = "\n".join(p.get("text", "") for p in content)
+        content = "\n".join(p["text"] for p in content if p.get("text"))
     if not isinstance(content, str):
         raise ValueError(f"messages[{i}].content must be a string or text parts")
     try:

@@ -21,6 +21,7 @@ from sfjax import checks as C
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
+_USE_SLIDING_WINDOW = ("qwen2", "qwen3")       # config.json's flag; sfjax serves it false
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -117,7 +118,7 @@ class ModelConfig:
             vocab_size=n("vocab_size"), hidden_size=hidden,
             intermediate_size=n("intermediate_size"), num_layers=n("num_hidden_layers"),
             num_heads=heads, num_kv_heads=n("num_key_value_heads", heads),
-            head_dim=n("head_dim", hidden // heads),
+            head_dim=n("head_dim", 128 if kind == "qwen3" else hidden // heads),   # HF's
             rope_theta=theta,
             rope_scaling=_rope_scaling(scaling),
             rms_norm_eps=C.real("config.json: rms_norm_eps", hf.get("rms_norm_eps", 1e-6), 0),
@@ -150,7 +151,7 @@ class ModelConfig:
         }
         if self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in _USE_SLIDING_WINDOW:
             out["use_sliding_window"] = False
         rs = self.rope_scaling
         if rs is not None and rs.rope_type == "linear":
@@ -187,7 +188,7 @@ def _supported(hf: dict[str, Any]) -> str:
                          f"sfjax loads float32, bfloat16 and float16 weights")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
-    if kind in ("qwen2", "qwen3") and (hf.get("use_sliding_window") or "sliding_attention" in (
+    if kind in _USE_SLIDING_WINDOW and (hf.get("use_sliding_window") or "sliding_attention" in (
             hf.get("layer_types") or ())):
         raise ValueError("config.json: use_sliding_window=true is not supported (sfjax "
                          "attends to every key)")

@@ -270,7 +270,7 @@ def test_a_chat_template_in_chat_template_jinja_serves_chat(tiny_folder, tmp_pat
     assert quiet == want + " /no_think"
     with pytest.raises(ValueError, match="chat_template_kwargs: 'tokenize' is not offered"):
         ChatTemplate(str(folder)).render(messages, True, {"tokenize": True})
-    parts = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]   # as vLLM joins
+    parts = [{"type": "text", "text": t} for t in ("Be", "", "brief.")]   # as vLLM joins them
     assert ChatTemplate(str(folder)).render([{"role": "system", "content": parts},
                                              messages[1]]) == want.replace("Be ", "Be\n")
     llm = LLM(str(folder), max_num_seqs=2, max_model_len=64)

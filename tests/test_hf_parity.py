@@ -19,12 +19,13 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from sfjax import LLM, SamplingParams, model, rows, toy
+from sfjax import LLM, SamplingParams, model, rows, toy, training
 from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.config import ModelConfig, RopeScaling
@@ -273,6 +274,8 @@ def test_mistral_and_qwen_folders_run_as_hf_runs_them(model_type, window, model_
     folder = model_folder(cfg, seed=PARITY_SEED, std=PARITY_STD, **jitter)
     assert ModelConfig.from_folder(folder) == cfg
     written = cfg.to_hf_config()
+    unsized = {k: v for k, v in written.items() if k != "head_dim"}     # HF's default head_dim
+    assert ModelConfig.from_hf_config(unsized).head_dim == (128 if model_type == "qwen3" else 16)
     for bad, match in (({"sliding_window": 0, "model_type": "mistral",
                          "architectures": ["MistralForCausalLM"]},
                         r"config.json: sliding_window = 0 is out of range"),
@@ -290,8 +293,12 @@ def test_mistral_and_qwen_folders_run_as_hf_runs_them(model_type, window, model_
     if model_type == "qwen3":                          # so are the head norms
         assert (hf.model.layers[0].self_attn.k_norm.weight - 1).abs().min() > 0
     n = window or SEQ_LEN
-    diff = np.abs(sfjax_logits(folder, parity_ids[:n]) - hf_logits(hf, parity_ids[:n])).max()
+    want = hf_logits(hf, parity_ids[:n])
+    diff = np.abs(sfjax_logits(folder, parity_ids[:n]) - want).max()
     assert diff <= PARITY_TOL, f"max |sfjax - HF {model_type}| = {diff:.3g}"
+    dense = training.forward(W.load_hf(folder, cfg), jnp.asarray([parity_ids[:n]]), cfg)[0]
+    diff = np.abs(np.asarray(dense) - want).max()            # the training scripts' model too
+    assert diff <= PARITY_TOL, f"max |training.forward - HF {model_type}| = {diff:.3g}"
     if window is not None:
         # past the window HF's attention drops the oldest keys, so the limit is needed
         past = parity_ids[:n + 20]

@@ -323,11 +323,13 @@ def test_stop_strings(llm):
     decode = llm.get_tokenizer().decode
     k = next(n for n in range(1, 25) if stop in decode(base.token_ids[:n]))   # completes it
     for min_tokens, stopped in ((k - 1, True), (k, False)):
-        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                  stop=stop, min_tokens=min_tokens),
-                           use_tqdm=False)[0].outputs[0]
-        assert out.token_ids == base.token_ids[:len(out.token_ids)]
-        assert (out.text == base.text[:cut]) == stopped and (len(out.token_ids) > k) != stopped
+        for stops in ([stop], [stop, "\x01" * 12]):    # a longer one beside it widens no window
+            out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                      stop=stops, min_tokens=min_tokens),
+                               use_tqdm=False)[0].outputs[0]
+            assert out.token_ids == base.token_ids[:len(out.token_ids)]
+            assert (out.text == base.text[:cut]) == stopped
+            assert (len(out.token_ids) > k) != stopped
 
 
 @pytest.mark.parametrize("kwargs, field", [

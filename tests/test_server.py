@@ -272,6 +272,8 @@ def test_other_bad_requests_get_400(client, server):
          "chat_template_kwargs"),
         (lambda: chat(stream=True, stream_options={"include_usage": True, "per_token": True}),
          "stream_options"),
+        (lambda: chat(stream=True, stream_options={"include_obfuscation": True}),
+         "stream_options"),
     ]
     for call, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -285,8 +287,10 @@ def test_other_bad_requests_get_400(client, server):
     for body in (b'{"prompt": "x"', b"[1, 2", b"not json"):
         r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=10)
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
-    r = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 3}, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    for body in ({"max_tokens": 3}, {"prompt": None, "max_tokens": 3}):   # null, not missing
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert ("required" in r.json()["error"]["message"]) == ("prompt" not in body)
 
 
 def test_vllm_fields_are_honoured_and_nulls_are_defaults(client, server, offline):
@@ -322,12 +326,16 @@ def test_vllm_fields_are_honoured_and_nulls_are_defaults(client, server, offline
                                            "return_token_ids": True})
     ids = r.choices[0].model_extra["token_ids"]
     assert [e.token for e in r.choices[0].logprobs.content] == [f"token_id:{t}" for t in ids]
-    usages = [chunk.usage for chunk in client.completions.create(
-        **kw, stream=True, stream_options={"include_usage": True,
-                                           "continuous_usage_stats": True})]
-    assert all(u is not None for u in usages) and len(usages) >= 3
-    done = [u.completion_tokens for u in usages]
-    assert done == sorted(done) and usages[-1].completion_tokens == 4
+    for options in ({"include_usage": True, "continuous_usage_stats": True},
+                    {"continuous_usage_stats": True}):          # asks for usage on its own
+        usages = [chunk.usage for chunk in client.completions.create(
+            **kw, stream=True, stream_options=options)]
+        assert all(u is not None for u in usages) and len(usages) >= 3
+        done = [u.completion_tokens for u in usages]
+        assert done == sorted(done) and usages[-1].completion_tokens == 4
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={
+        "include_usage": True, "include_obfuscation": False}))     # OpenAI's, asking nothing
+    assert chunks[-1].usage.completion_tokens == 4
     whole = client.completions.create(**kw).choices[0].text
     nulls = dict(n=None, stream=None, echo=None, presence_penalty=None, frequency_penalty=None)
     r = httpx.post(f"{server.url}/v1/completions", json={**kw, **nulls}, timeout=60)
@@ -357,14 +365,21 @@ def test_models_tokenize_detokenize(client, server, offline):
         assert r.json()["tokens"] == offline.get_tokenizer().encode(text, add_special_tokens=False).ids
 
 
-def test_a_long_tokenization_leaves_the_server_answering(server):
-    """The server tokenizes off its event loop: while a 2.3 MB prompt tokenizes (about 1.5 s on
-    the 2-core box), /health keeps answering. tokenizers' single-text encode held the GIL for
+def test_a_long_tokenization_leaves_the_server_answering(server, offline):
+    """The server tokenizes off its event loop: while a prompt of 2.3 MB or more tokenizes (more
+    than a second; 1.6 s on the 2-core box), /health keeps answering. tokenizers' single-text encode held the GIL for
     the whole text, so every route and stream waited for it (the longest gap was the whole
     tokenization); now no gap comes near half of it."""
     import sfjax.engine.engine as source
     with open(source.__file__) as f:
         text = f.read() * 60
+    tok = offline.get_tokenizer()
+    while True:                # long enough to take a second here, however fast the machine
+        t0 = time.monotonic()
+        tok.encode(text)
+        if time.monotonic() - t0 > 1.0:
+            break
+        text *= 2
     result = {}
 
     def tokenize():
@@ -384,7 +399,7 @@ def test_a_long_tokenization_leaves_the_server_answering(server):
     worker.join()
     assert result["status"] == 200 and result["count"] > 500_000, result
     gap = max(b - a for a, b in zip(answered, answered[1:]))
-    assert result["seconds"] > 0.5 and gap < result["seconds"] / 2, (gap, result)
+    assert gap < result["seconds"] / 2, (gap, result)
 
 
 def _metrics(url: str) -> dict[str, float]:

@@ -46,13 +46,14 @@ class OutputProcessor:
 
     @staticmethod
     def stop_string(req: Request, piece: str) -> tuple[str, str] | None:
-        """(stop string, truncated text) if the new text completes a stop string."""
+        """(stop string, truncated text) if the new text completes a stop string: each is
+        looked for where it would end in the new text (vLLM's window; a shorter one that ended
+        before it, inside min_tokens, does not count)."""
         if not req.params.stop or not piece:
             return None
         text = req.detok.text
-        window = len(piece) + max(map(len, req.params.stop)) - 1
-        start = max(0, len(text) - window)
-        hits = [(text.find(st, start), st) for st in req.params.stop]
+        start = len(text) - len(piece) + 1
+        hits = [(text.find(st, max(0, start - len(st))), st) for st in req.params.stop]
         hits = [(i, st) for i, st in hits if i >= 0]
         if not hits:
             return None

@@ -277,13 +277,13 @@ async def _chunks(req, params, first, gen, head, choice, opening: dict | None = 
                   ) -> AsyncIterator[dict]:
     """A streamed response's chunks: ``opening`` (a first choice, if given), then one per output
     with new text, tokens or the end (``choice(out, text, ids, logprob entries, text offset,
-    finish reason or None)``), then with include_usage a last chunk with the usage (and with
-    continuous_usage_stats the usage so far on every chunk, vLLM's). An output the engine
+    finish reason or None)``), then with include_usage a last chunk with the usage (with
+    continuous_usage_stats, also the usage so far on every chunk, as vLLM gives it). An output the engine
     failed, or an engine that stopped serving it (``_engine_error``), ends the stream with
     OpenAI's error body as its event (before [DONE])."""
     options = req.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous = include_usage and options.continuous_usage_stats
+    continuous = bool(options and options.continuous_usage_stats)
+    include_usage = continuous or bool(options and options.include_usage)
 
     def chunk(choices: list, out, **extra) -> dict:
         usage = {"usage": P.usage(*out) if continuous else None} if include_usage else {}

@@ -30,13 +30,16 @@ class APIError(Exception):
 
 
 class _Request(BaseModel):
-    """A request body: a field sent as null takes its default (OpenAI's fields are nullable)."""
+    """A request body: an optional field sent as null takes its default (OpenAI's fields are
+    nullable); a required one sent as null is refused as null."""
 
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_defaults(cls, data):
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required()}
         return data
 
 
@@ -45,6 +48,7 @@ class StreamOptions(_Request):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False        # vLLM's: the usage so far on every chunk
+    include_obfuscation: Literal[False] = False   # OpenAI's padding: not offered
 
 
 # Fields OpenAI or vLLM define that change what comes back and sfjax does not offer, with the

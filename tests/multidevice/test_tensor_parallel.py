@@ -119,8 +119,9 @@ def test_sharded_forward_is_bit_equal(forward, tp, dp):
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("tp, dp", [(4, 2), (8, 1)])         # KV heads sharded / replicated
-def test_qwen_biases_and_head_norms_sharded_with_their_heads_keep_the_bits(family_forward,
-                                                                          model_type, tp, dp):
+def test_qwen_biases_and_head_norms_keep_the_single_device_bits(family_forward, model_type,
+                                                                tp, dp):
+    """Qwen2's biases are sharded with their heads' columns; Qwen3's head norms replicated."""
     forward = family_forward(model_type)
     for a, b in zip(forward(), forward(sharding.make_mesh(tp, dp))):
         np.testing.assert_array_equal(a, b)
