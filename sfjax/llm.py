@@ -169,17 +169,20 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(prompts)
-        requests, arrivals = [], self.engine._arrivals
+        requests, sizes, arrivals = [], [], self.engine._arrivals
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             p, cap = (p, None) if p is not None else self.default_request()
             try:
-                requests.append(self.engine.prepare(self._new_id(), prompt, p, cap))
+                children = p.children() if isinstance(p, SamplingParams) else [p]
+                requests += [self.engine.prepare(self._new_id(), prompt, c, cap) for c in children]
             except ValueError as e:       # InvalidType is one too
                 self.engine._arrivals = arrivals     # nothing of the call happened
                 raise type(e)(f"prompt {i}: {e}") from None
+            sizes.append(len(children))
         for req in requests:
             self.engine.enqueue(req)
-        return self._run(requests, use_tqdm)
+        outs = iter(self._run(requests, use_tqdm))
+        return [_gathered([next(outs) for _ in range(n)]) for n in sizes]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -259,3 +262,12 @@ class LLM:
             text += (f", acceptance {m.acceptance_rate:.2f} "
                      f"(mean length {m.mean_acceptance_length:.2f})")
         return text
+
+
+def _gathered(outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n outputs as one (vLLM's parallel sampling): the first's, with every
+    completion in order, ``index`` i the i-th."""
+    if len(outs) == 1:
+        return outs[0]
+    return dataclasses.replace(outs[0], outputs=[dataclasses.replace(o.outputs[0], index=i)
+                                                 for i, o in enumerate(outs)])

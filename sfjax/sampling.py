@@ -94,7 +94,7 @@ class Sampling(_Filters):
             if not isinstance(p, SamplingParams):
                 raise InvalidType(f"params[{i}]: must be a SamplingParams, got {type(p).__name__}")
         params = [p.checked() for p in params]        # checked again: it may have been changed
-        unsupported = {"stop": [], "logprobs": None, "prompt_logprobs": None,
+        unsupported = {"n": 1, "stop": [], "logprobs": None, "prompt_logprobs": None,
                        "disable_spec_decode": False, "spec_strategy": None, "spec_exactness": None}
         for p in params:
             for name, off in unsupported.items():

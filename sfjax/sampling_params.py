@@ -8,12 +8,17 @@ from collections.abc import Sequence
 from sfjax import checks as C
 
 MAX_LOGPROBS = 20
+MAX_N = 1024            # completions per prompt (vLLM's parallel sampling; LLM.generate)
 
 
 @dataclasses.dataclass
 class SamplingParams:
     """How to generate for one request (vLLM's field names and meanings).
 
+    n: completions per prompt (``LLM.generate``; vLLM's parallel sampling): n requests with
+        this prompt and these params, seeded with seed + i where a seed is given, as in vLLM;
+        one ``RequestOutput`` with their n completions (``index`` i). The engine and the server
+        take one sequence per request.
     temperature: 0 is greedy; > 0 samples by Gumbel-max with a counter-based key per position.
     top_k: keep the k most likely tokens; 0 or -1 turns it off, and so does any k at least the
         vocabulary's size (every token is kept).
@@ -76,7 +81,7 @@ class SamplingParams:
         again on the engine's own copy when a request is added, so a params object changed
         after construction is checked too."""
         f = lambda name: f"SamplingParams.{name}"
-        self.n = C.integer(f("n"), self.n, 1, 1, allowed="1 (n > 1 is not offered)")
+        self.n = C.integer(f("n"), self.n, 1, MAX_N)
         self.temperature = C.real(f("temperature"), self.temperature, 0.0,
                                   allowed="a finite number >= 0 (0 is greedy)")
         self.top_p = C.real(f("top_p"), self.top_p, 0.0, 1.0, lo_open=True)
@@ -131,6 +136,13 @@ class SamplingParams:
                           k.lstrip("-").isdigit() else k, 0)
             out[t] = min(100.0, max(-100.0, C.real(f"SamplingParams.logit_bias[{t}]", v)))
         return out
+
+    def children(self) -> list["SamplingParams"]:
+        """The ``n`` single-sequence params ``n`` asks for (vLLM's: child i seeded seed + i)."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else
+                                    (self.seed + i) % 2**64) for i in range(self.n)]
 
     def checked(self) -> "SamplingParams":
         """A validated copy (what the engine keeps for a request: later changes to this object

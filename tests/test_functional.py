@@ -243,7 +243,7 @@ def test_prompt_rows_and_sampling_rows_must_agree(pair):
 
 
 def test_sampling_params_the_functional_path_cannot_honour_are_refused():
-    for bad in (dict(stop=["x"]), dict(logprobs=2), dict(disable_spec_decode=True)):
+    for bad in (dict(stop=["x"]), dict(logprobs=2), dict(disable_spec_decode=True), dict(n=2)):
         with pytest.raises(ValueError, match="not offered by sfjax.functional"):
             F.Sampling.from_params(SamplingParams(temperature=0, **bad), eos_token_ids=())
     with pytest.raises(ValueError, match="seed"):

@@ -305,6 +305,32 @@ def test_the_smallest_top_p_keeps_the_top_token(llm, top_p):
     assert run(temperature=1.3, top_p=top_p, seed=5, **allowed) == run(temperature=0, **allowed)
 
 
+def test_n_completions_per_prompt_as_vllm_samples_them(llm):
+    """SamplingParams.n (vLLM's parallel sampling, in LLM.generate): one RequestOutput per
+    prompt holding n completions, completion i the tokens of the same request alone seeded
+    seed + i (greedy: n equal ones; unseeded: n draws of their own); the engine and the server
+    take one sequence per request, and say so."""
+    prompts = _prompts(2, seed=7)
+    seeded = SamplingParams(n=3, temperature=0.9, seed=10, max_tokens=8, ignore_eos=True,
+                            presence_penalty=0.5)
+    outs = llm.generate(prompts, seeded, use_tqdm=False)
+    assert len(outs) == 2 and [[c.index for c in o.outputs] for o in outs] == [[0, 1, 2]] * 2
+    for p, o in zip(prompts, outs):
+        alone = [llm.generate(p, SamplingParams(temperature=0.9, seed=10 + i, max_tokens=8,
+                                                ignore_eos=True, presence_penalty=0.5),
+                              use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]
+        assert [c.token_ids for c in o.outputs] == alone and len(set(map(tuple, alone))) > 1
+        assert o.prompt_token_ids == p["prompt_token_ids"]
+    greedy = llm.generate(prompts[0], SamplingParams(n=2, temperature=0, max_tokens=8),
+                          use_tqdm=False)[0].outputs
+    assert greedy[0].token_ids == greedy[1].token_ids
+    free = llm.generate(prompts[0], SamplingParams(n=4, temperature=1.0, max_tokens=8,
+                                                   ignore_eos=True), use_tqdm=False)[0].outputs
+    assert len({tuple(c.token_ids) for c in free}) > 1
+    with pytest.raises(ValueError, match="SamplingParams.n = 2: the engine runs one sequence"):
+        llm.engine.add_request("n2", prompts[0], SamplingParams(n=2))
+
+
 def test_stop_strings(llm):
     prompt = _prompts(1, seed=4)[0]
     base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
@@ -337,7 +363,7 @@ def test_stop_strings(llm):
     (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(logprobs=21), "logprobs"),
     (dict(prompt_logprobs=50), "prompt_logprobs"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
-    (dict(stop=["ok", ""]), "stop"), (dict(n=2), "n"), (dict(seed=-1), "seed"),
+    (dict(stop=["ok", ""]), "stop"), (dict(n=0), "n"), (dict(seed=-1), "seed"),
     (dict(stop_token_ids=np.array([3, 4])), "stop_token_ids"),   # numpy's truth-value error
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):

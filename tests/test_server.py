@@ -210,7 +210,7 @@ BAD_COMPLETIONS = [
     (dict(temperature=-1), "temperature"),
     (dict(top_p=2.0), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"), (dict(n=1025), "n"),
     (dict(logprobs=21), "logprobs"),
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"),
@@ -344,6 +344,45 @@ def test_vllm_fields_are_honoured_and_nulls_are_defaults(client, server, offline
         "model": MODEL, "messages": messages, "max_tokens": 2, "logprobs": None, **nulls,
         "echo": None}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_choices_are_vllms_parallel_sampling(client, server, offline, stream):
+    """n > 1: choice i is the offline request seeded seed + i (vLLM's parallel sampling), whole
+    or streamed (each choice's chunks carry its index), usage counts every choice's tokens; a
+    refusal admits none of them."""
+    kw = dict(temperature=0.9, seed=21, max_tokens=12)
+    want = [offline.generate("def fib(n):", _sampling({**kw, "seed": 21 + i}),
+                             use_tqdm=False)[0].outputs[0] for i in range(3)]
+    assert len({tuple(w.token_ids) for w in want}) > 1
+    extra = {"return_token_ids": True}
+    if not stream:
+        r = client.completions.create(model=MODEL, prompt="def fib(n):", n=3, extra_body=extra,
+                                      **kw)
+        got = [(c.index, c.text, c.model_extra["token_ids"]) for c in r.choices]
+        usage = r.usage
+    else:
+        got, usage = {i: [i, "", []] for i in range(3)}, None
+        for chunk in client.completions.create(model=MODEL, prompt="def fib(n):", n=3,
+                                               stream=True, extra_body=extra,
+                                               stream_options={"include_usage": True}, **kw):
+            for c in chunk.choices:
+                got[c.index][1] += c.text
+                got[c.index][2] += c.model_extra.get("token_ids") or []
+            usage = chunk.usage or usage
+        got = [tuple(v) for v in got.values()]
+    assert got == [(i, w.text, w.token_ids) for i, w in enumerate(want)]
+    assert usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    chat = client.chat.completions.create(model=MODEL, n=2, messages=[
+        {"role": "user", "content": "hi"}], temperature=0.9, seed=5, max_tokens=4)
+    assert [c.index for c in chat.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError) as e:      # prompt + max_tokens over the context
+        client.completions.create(model=MODEL, prompt="def fib(n):", n=2, max_tokens=125)
+    assert e.value.body["param"] == "max_tokens"
+    deadline = time.monotonic() + 30
+    while _metrics(server.url)["sfjax:num_requests_live"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metrics(server.url)["sfjax:num_requests_live"] == 0
 
 
 def test_models_tokenize_detokenize(client, server, offline):

@@ -195,6 +195,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise C.InvalidType(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params = params.checked()
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n = {params.n}: the engine runs one sequence per "
+                             f"request (LLM.generate runs n of them: SamplingParams.children)")
         request_id = C.text("request_id", request_id)
         if self.holds(request_id):
             raise ValueError(f"request_id {request_id!r} is already in the engine")

@@ -108,8 +108,22 @@ class Server:
             raise APIError(f"model {name!r} is not served here; this server serves "
                            f"{self.model_name!r}", "model", code="model_not_found")
 
-    async def start(self, prompt, params, request_id: str, renames: dict):
-        """Admits the request and waits for its first output: (first output, the generator)."""
+    async def start(self, prompt, params, request_id: str, renames: dict) -> list[tuple]:
+        """Admits the request's ``n`` sequences (vLLM's parallel sampling: ids "i_<id>", child i
+        seeded seed + i, ``SamplingParams.children``) and waits for each one's first output:
+        [(first output, its generator)]. A refusal aborts the ones admitted before it."""
+        children, started = params.children(), []
+        try:
+            for i, child in enumerate(children):
+                rid = request_id if len(children) == 1 else f"{i}_{request_id}"
+                started.append(await self._start_one(prompt, child, rid, renames))
+        except BaseException:
+            for _, gen in started:
+                await gen.aclose()
+            raise
+        return started
+
+    async def _start_one(self, prompt, params, request_id: str, renames: dict):
         gen = self.engine.generate(prompt, params, request_id)
         try:
             first = await gen.__anext__()
@@ -140,34 +154,39 @@ class Server:
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         params = P.completion_params(req, self.defaults, self._room(ids))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        first, gen = await _unless_disconnected(raw, self.start(prompt, params, rid, {}))
+        started = await _unless_disconnected(raw, self.start(prompt, params, rid, {}))
         if req.stream:
-            return _sse(self._completion_chunks(req, params, rid, first, gen))
-        return await self._whole(req, raw, rid, "text_completion", first, gen, lambda c: {
+            return _sse(self._completion_chunks(req, params, rid, started))
+        return await self._whole(req, raw, rid, "text_completion", started, lambda c: {
             "index": 0, "text": c.text, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
             "logprobs": (P.completion_logprobs(list(zip(c.token_ids, c.logprobs)), 0,
                                                req.return_tokens_as_token_ids)
                          if params.logprobs is not None else None)})
 
-    async def _whole(self, req, raw: Request, rid: str, kind: str, first, gen, choice):
-        """A non-streamed response: the request's last output as one ``choice(completion)``,
-        with the token ids if asked, usage and sfjax's fields."""
+    async def _whole(self, req, raw: Request, rid: str, kind: str, started, choice):
+        """A non-streamed response: each sequence's last output as ``choice(completion)`` (index
+        i the i-th), with the token ids if asked, usage and sfjax's fields (a list of them, one
+        per choice, for n > 1)."""
         try:
-            out = await _unless_disconnected(raw, _last(first, gen))
+            outs = await _unless_disconnected(raw, _lasts(started))
         except (EngineClosed, EngineStepFailed) as e:
             raise _engine_error(e) from None
-        if (err := _error_of(out)) is not None:
-            raise err
-        c = out.outputs[0]
-        one = choice(c)
-        if req.return_token_ids:
-            one.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
-        body = {**P.envelope(kind, rid, self.model_name), "choices": [one],
-                "usage": P.usage(out), "sfjax": P.sfjax_info(out)}
-        return JSONResponse(body, headers=_certificate_header(out))
+        for out in outs:
+            if (err := _error_of(out)) is not None:
+                raise err
+        choices = []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            choices.append({**choice(c), "index": i})
+            if req.return_token_ids:
+                choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+        info = [P.sfjax_info(out) for out in outs]
+        body = {**P.envelope(kind, rid, self.model_name), "choices": choices,
+                "usage": P.usage(outs), "sfjax": info[0] if len(info) == 1 else info}
+        return JSONResponse(body, headers=_certificate_header(outs[0]))
 
-    def _completion_chunks(self, req, params, rid, first, gen) -> AsyncIterator[dict]:
+    def _completion_chunks(self, req, params, rid, started) -> AsyncIterator[dict]:
         def choice(out, text, ids, entries, offset, reason) -> dict:
             c = out.outputs[0]
             choice = {"index": 0, "text": text, "finish_reason": reason,
@@ -180,7 +199,7 @@ class Server:
                 if offset == 0 and len(ids) == len(c.token_ids):
                     choice["prompt_token_ids"] = out.prompt_token_ids
             return choice
-        return _chunks(req, params, first, gen, _head("text_completion", rid, self.model_name),
+        return _chunks(req, params, started, _head("text_completion", rid, self.model_name),
                        choice)
 
     # -- chat ----------------------------------------------------------------------------------
@@ -207,19 +226,19 @@ class Server:
         prompt = {"prompt": text, "prompt_token_ids": ids}
         params = P.chat_params(req, self.defaults, self._room(prompt["prompt_token_ids"]))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        first, gen = await _unless_disconnected(
+        started = await _unless_disconnected(
             raw, self.start(prompt, params, rid, P.chat_renames(req)))
         top = req.top_logprobs or 0
         if req.stream:
-            return _sse(self._chat_chunks(req, params, rid, first, gen, top))
-        return await self._whole(req, raw, rid, "chat.completion", first, gen, lambda c: {
+            return _sse(self._chat_chunks(req, params, rid, started, top))
+        return await self._whole(req, raw, rid, "chat.completion", started, lambda c: {
             "index": 0, "message": {"role": "assistant", "content": c.text},
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             "logprobs": (P.chat_logprobs(list(zip(c.token_ids, c.logprobs)), top,
                                          req.return_tokens_as_token_ids)
                          if req.logprobs else None)})
 
-    def _chat_chunks(self, req, params, rid, first, gen, top) -> AsyncIterator[dict]:
+    def _chat_chunks(self, req, params, rid, started, top) -> AsyncIterator[dict]:
         def choice(out, text, ids, entries, offset, reason) -> dict:
             c = out.outputs[0]
             choice = {"index": 0, "delta": {"content": text} if text or reason is None else {},
@@ -231,8 +250,8 @@ class Server:
             return choice
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
-        return _chunks(req, params, first, gen, _head("chat.completion.chunk", rid, self.model_name),
-                       choice, opening=role)
+        return _chunks(req, params, started,
+                       _head("chat.completion.chunk", rid, self.model_name), choice, opening=role)
 
     # -- the rest ------------------------------------------------------------------------------
 
@@ -273,41 +292,104 @@ def _head(kind: str, rid: str, model: str):
     return lambda: P.envelope(kind, rid, model, created)
 
 
-async def _chunks(req, params, first, gen, head, choice, opening: dict | None = None
+async def _chunks(req, params, started, head, choice, opening: dict | None = None
                   ) -> AsyncIterator[dict]:
-    """A streamed response's chunks: ``opening`` (a first choice, if given), then one per output
-    with new text, tokens or the end (``choice(out, text, ids, logprob entries, text offset,
-    finish reason or None)``), then with include_usage a last chunk with the usage (with
-    continuous_usage_stats, also the usage so far on every chunk, as vLLM gives it). An output the engine
-    failed, or an engine that stopped serving it (``_engine_error``), ends the stream with
-    OpenAI's error body as its event (before [DONE])."""
+    """A streamed response's chunks: for each sequence i (choice index i), ``opening`` (a first
+    choice, if given), then one per output with new text, tokens or the end (``choice(out,
+    text, ids, logprob entries, text offset, finish reason or None)``), the sequences' chunks
+    as they come; then with include_usage a last chunk with the usage of all of them (with
+    continuous_usage_stats, also the usage so far on every chunk, as vLLM gives it). An output
+    the engine failed, or an engine that stopped serving it (``_engine_error``), ends the
+    stream with OpenAI's error body as its event (before [DONE]), the other sequences
+    aborted."""
     options = req.stream_options
     continuous = bool(options and options.continuous_usage_stats)
     include_usage = continuous or bool(options and options.include_usage)
+    lasts = [first for first, _ in started]          # each sequence's latest output
+    counts = [0] * len(started)                      # its tokens sent so far
 
-    def chunk(choices: list, out, **extra) -> dict:
-        usage = {"usage": P.usage(*out) if continuous else None} if include_usage else {}
-        return {**head(), "choices": choices, **usage, **extra}
+    def chunk(choices: list, **extra) -> dict:
+        usage = P.usage(lasts, sum(counts)) if continuous else None
+        return {**head(), "choices": choices, **({"usage": usage} if include_usage else {}),
+                **extra}
 
-    if opening is not None:
-        yield chunk([opening], (first, 0))
-    delta, out = Delta(params), first
-    async with contextlib.aclosing(_chain(first, gen)) as outs:
-        try:
-            async for out in outs:
-                if (err := _error_of(out)) is not None:
-                    yield err.body()
-                    return
-                text, ids, entries, offset = delta.take(out)
-                reason = out.outputs[0].finish_reason if out.finished else None
-                if text or ids or reason is not None:
-                    yield chunk([choice(out, text, ids, entries, offset, reason)], (out,),
-                                **({"sfjax": P.sfjax_info(out)} if reason is not None else {}))
-        except (EngineClosed, EngineStepFailed) as e:
-            yield _engine_error(e).body()
-            return
+    async def one(i: int, first, gen) -> AsyncIterator[dict]:
+        if opening is not None:
+            yield chunk([{**opening, "index": i}])
+        delta = Delta(params)
+        async with contextlib.aclosing(_chain(first, gen)) as outs:
+            try:
+                async for out in outs:
+                    if (err := _error_of(out)) is not None:
+                        yield err.body()
+                        return
+                    lasts[i] = out
+                    text, ids, entries, offset = delta.take(out)
+                    counts[i] += len(ids)
+                    reason = out.outputs[0].finish_reason if out.finished else None
+                    if text or ids or reason is not None:
+                        yield chunk([{**choice(out, text, ids, entries, offset, reason),
+                                      "index": i}],
+                                    **({"sfjax": P.sfjax_info(out)} if reason is not None else {}))
+            except (EngineClosed, EngineStepFailed) as e:
+                yield _engine_error(e).body()
+
+    async with contextlib.aclosing(_merged([one(i, f, g) for i, (f, g) in enumerate(started)])
+                                   ) as chunks:
+        async for c in chunks:
+            yield c
+            if "error" in c:
+                return
     if include_usage:
-        yield {**head(), "choices": [], "usage": P.usage(out)}
+        yield {**head(), "choices": [], "usage": P.usage(lasts)}
+
+
+async def _merged(streams: list) -> AsyncIterator:
+    """The items of several async generators as they come (each one's in its order); closing
+    it closes them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    await queue.put(item)
+        except Exception as e:           # raised where the items are read
+            await queue.put(e)
+        finally:
+            await queue.put(done)
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _lasts(started) -> list:
+    """Each sequence's last output; leaving early (cancelled, an error) closes them all."""
+    tasks = [asyncio.ensure_future(_last(first, gen)) for first, gen in started]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _certificate_header(out) -> dict:

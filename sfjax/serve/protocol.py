@@ -168,8 +168,6 @@ def sampling_params(req: _SamplingRequest, defaults: dict[str, Any], *, max_toke
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise APIError(f"{field} = {shown} is not offered (sfjax allows "
                            f"{' or '.join(map(json.dumps, _NOT_OFFERED[field]))})", field)
-    if req.n != 1:
-        raise APIError(f"n = {req.n}: only n = 1 is offered", "n")
     try:
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     except ValueError:
@@ -184,7 +182,7 @@ def sampling_params(req: _SamplingRequest, defaults: dict[str, Any], *, max_toke
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            disable_spec_decode=req.disable_spec_decode, spec_strategy=req.spec_strategy,
+            n=req.n, disable_spec_decode=req.disable_spec_decode, spec_strategy=req.spec_strategy,
             spec_exactness=req.spec_exactness)
     except (ValueError, TypeError) as e:
         raise APIError(str(e), error_param(str(e), renames)) from None
@@ -288,11 +286,12 @@ def chat_logprobs(entries: list[dict], top: int, as_ids: bool = False) -> dict:
     return {"content": content}
 
 
-def usage(out, n_out: int | None = None) -> dict:
-    """OpenAI's usage of ``out`` (``n_out`` output tokens if given, else its own)."""
-    n_in = len(out.prompt_token_ids)
+def usage(outs: list, n_out: int | None = None) -> dict:
+    """OpenAI's usage of a request's sequences' outputs ``outs`` (one prompt, the output tokens
+    of them all): ``n_out`` output tokens if given, else theirs."""
+    n_in = len(outs[0].prompt_token_ids)
     if n_out is None:
-        n_out = len(out.outputs[0].token_ids) if out.outputs else 0
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
