@@ -251,8 +251,14 @@ def load_hf(path: str, cfg: ModelConfig) -> Weights:
 
 
 def save_hf(path: str, cfg: ModelConfig, weights: Weights, max_shard_bytes: int | None = None) -> None:
-    """Writes ``config.json`` and safetensors (sharded with an index past ``max_shard_bytes``)."""
+    """Writes ``config.json`` and safetensors (sharded with an index past ``max_shard_bytes``),
+    replacing the weights files of an earlier save there (a stale index or single file beside
+    the new layout made sfjax and transformers read different weights)."""
     os.makedirs(path, exist_ok=True)
+    for old in glob.glob(os.path.join(path, "model-*-of-*.safetensors")) + [
+            os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json")]:
+        if os.path.exists(old):
+            os.remove(old)
     tensors: dict[str, np.ndarray] = {}
     for name, a in describe(cfg).items():
         x = np.asarray(jax.device_get(getattr(weights, name)))
@@ -312,15 +318,24 @@ def load_orbax(path: str, cfg: ModelConfig, mesh=None) -> Weights:
     if not os.path.isdir(ckpt):
         raise ValueError(f"{path!r} holds no orbax checkpoint (no {ORBAX_DIR}/ folder)")
     with ocp.StandardCheckpointer() as ckptr:
-        stored = ckptr.metadata(ckpt)
+        try:
+            stored = ckptr.metadata(ckpt)
+        except Exception as e:     # orbax raises its own and tensorstore's errors
+            raise ValueError(f"orbax checkpoint {path!r} cannot be read ({e})") from None
         stored = getattr(stored, "item_metadata", stored)     # StepMetadata -> its tree
         stored = getattr(stored, "tree", stored)              # TreeMetadata -> {name: metadata}
-        _check_stored(path, dict(stored), cfg)
+        if not isinstance(stored, dict):
+            raise ValueError(f"orbax checkpoint {path!r} is incomplete or damaged (no metadata in "
+                             f"{ckpt}): export the model again")
+        _check_stored(path, stored, cfg)
         # the checkpoint's own fields: one saved before Weights had biases has no key for them
         target = abstract(cfg, mesh)
-        return Weights(**ckptr.restore(ckpt, {f.name: getattr(target, f.name)
-                                              for f in dataclasses.fields(target)
-                                              if f.name in dict(stored)}))
+        try:
+            return Weights(**ckptr.restore(ckpt, {f.name: getattr(target, f.name)
+                                                  for f in dataclasses.fields(target)
+                                                  if f.name in stored}))
+        except Exception as e:
+            raise ValueError(f"orbax checkpoint {path!r} is damaged: {str(e)[:300]}") from None
 
 
 def _check_stored(path: str, stored: dict, cfg: ModelConfig) -> None:

@@ -184,6 +184,48 @@ def test_convert_round_trips_qwen_biases_and_head_norms_and_reads_checkpoints_wi
     same(W.load_orbax(str(old), cfg), w)
 
 
+def test_a_save_replaces_the_last_saves_weights_and_a_damaged_export_is_named(tiny_folder,
+                                                                              tmp_path, capsys):
+    """save_hf into a folder an earlier save wrote leaves only its own layout (a stale index or
+    single file beside it had sfjax and transformers read different weights), other files
+    kept; an export whose orbax folder lost its metadata is one error naming it (a raw
+    TypeError before)."""
+    import os
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import save_file
+    from sfjax import toy
+    from sfjax import weights as W
+
+    cfg = toy.tiny_config()
+    old, new = W.init_random(cfg, seed=1), W.init_random(cfg, seed=2)
+    for first, second in ((60_000, None), (None, 60_000)):
+        path = str(tmp_path / f"save-{first}")
+        W.save_hf(path, cfg, old, max_shard_bytes=first)
+        save_file({"other": np.zeros(2, np.int32)},                    # not the weights'
+                  os.path.join(path, "ngram_table.safetensors"))
+        W.save_hf(path, cfg, new, max_shard_bytes=second)
+        files = sorted(os.listdir(path))
+        assert ("model.safetensors" in files) == (second is None)
+        assert ("model.safetensors.index.json" in files) == (second is not None)
+        assert "ngram_table.safetensors" in files
+        assert sum(f.startswith("model-") for f in files) == (0 if second is None else
+                                                               len(files) - 3)
+        np.testing.assert_array_equal(np.asarray(W.load_hf(path, cfg).embed),
+                                      np.asarray(new.embed))
+    export = str(tmp_path / "export")
+    assert main(["convert", tiny_folder, export]) == 0
+    os.remove(os.path.join(export, W.ORBAX_DIR, "_METADATA"))
+    capsys.readouterr()
+    assert main(["convert", export, str(tmp_path / "again")]) == 2
+    assert "incomplete or damaged" in capsys.readouterr().err
+    shutil.rmtree(os.path.join(export, W.ORBAX_DIR))
+    os.makedirs(os.path.join(export, W.ORBAX_DIR))                  # a copy cut short
+    assert main(["convert", export, str(tmp_path / "again2")]) == 2
+    assert "incomplete or damaged" in capsys.readouterr().err
+
+
 def test_convert_carries_the_ngram_table(tiny_folder, tmp_path):
     import shutil
     from sfjax.config import ModelConfig
