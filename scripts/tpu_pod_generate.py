@@ -43,6 +43,10 @@ def init_distributed(args) -> None:
     """Joins the other processes (before any JAX computation); nothing for a single process."""
     num = args.num_processes if args.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
     pid = args.process_id if args.process_id is not None else _env_int("JAX_PROCESS_ID")
+    if num is not None and num < 1:
+        raise ValueError(f"--num-processes {num} must be >= 1")
+    if pid is not None and not 0 <= pid < (num if num is not None else pid + 1):
+        raise ValueError(f"--process-id {pid} must be in [0, --num-processes {num})")
     if num == 1:
         return
     # CPU processes talk over gloo, jax's default jax_cpu_collectives_implementation (>= 0.10.2)
@@ -58,14 +62,19 @@ def init_distributed(args) -> None:
 def read_prompts(path: str) -> list:
     """Prompt strings, one a line; or, for ``.jsonl``, "prompt" / "prompt_token_ids" records."""
     with open(path) as f:
-        lines = [line.rstrip("\n") for line in f if line.strip()]
+        lines = [line.rstrip("\n") for line in f]
     if not path.endswith(".jsonl"):
-        return lines
+        return [line for line in lines if line.strip()]
     prompts = []
-    for i, line in enumerate(lines):
-        rec = json.loads(line)
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"--prompts {path!r} line {n}: not valid JSON ({e})") from None
         if not isinstance(rec, dict) or not {"prompt", "prompt_token_ids"} & set(rec):
-            raise ValueError(f"{path} line {i + 1}: expected an object with 'prompt' or "
+            raise ValueError(f"--prompts {path!r} line {n}: expected an object with 'prompt' or "
                              "'prompt_token_ids'")
         prompts.append(rec)
     return prompts
@@ -116,9 +125,13 @@ def run(args) -> int:
     logging.getLogger("sfjax").setLevel(logging.INFO if lead and not args.json else logging.WARNING)
 
     from sfjax import LLM, SamplingParams       # after initialize(): JAX must not start first
+    from sfjax.cli import _json_object
 
-    tp = args.tensor_parallel_size
-    dp = args.data_parallel_size or max(1, jax.device_count() // tp)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    for flag, value in (("--tensor-parallel-size", tp), ("--data-parallel-size", dp)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+    dp = dp or max(1, jax.device_count() // tp)
     if jax.process_count() > 1 and tp * dp != jax.device_count():
         raise ValueError(f"tensor_parallel_size {tp} x data_parallel_size {dp} = {tp * dp} devices; "
                          f"across processes the mesh must span all {jax.device_count()}")
@@ -127,7 +140,8 @@ def run(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=tp, data_parallel_size=dp,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               block_size=args.block_size,
-              speculative_config=json.loads(args.speculative_config) if args.speculative_config else None)
+              speculative_config=_json_object("--speculative-config", args.speculative_config,
+                                              '{"method": "ngram", "num_speculative_tokens": 3}'))
     t1 = time.perf_counter()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)

@@ -3,6 +3,7 @@ joined by ``jax.distributed.initialize``, collectives over gloo) gives the singl
 from an HF folder and from an orbax export; only process 0 prints them."""
 
 import json
+import re
 import os
 import socket
 import subprocess
@@ -68,3 +69,27 @@ def test_two_processes_equal_one(tiny_folder, reference, tmp_path, source, tp, d
     got = json.loads(printed[0][0])
     assert [o["prompt"] for o in got] == PROMPTS
     assert [o["token_ids"] for o in got] == reference
+
+
+def test_pod_flags_are_refused_naming_the_flag(tiny_folder, tmp_path, capsys):
+    """Refused before anything loads, each naming its flag (a raw ZeroDivisionError, dp 0 run
+    as the default, a process id past the count run as one process, JSON errors naming neither
+    the flag nor the line, before)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "tpu_pod_generate", os.path.join(ROOT, "scripts", "tpu_pod_generate.py"))
+    pod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pod)
+    text, jsonl = tmp_path / "p.txt", tmp_path / "p.jsonl"
+    text.write_text("def f\n")
+    jsonl.write_text('{"prompt": "a"}\n\nnot json\n')
+    base = ["--model", tiny_folder, "--prompts", str(text), "--num-processes", "1"]
+    for extra, message in (
+            (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0 must be >= 1"),
+            (["--data-parallel-size", "0"], "--data-parallel-size 0 must be >= 1"),
+            (["--process-id", "3"], r"--process-id 3 must be in \[0, --num-processes 1\)"),
+            (["--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
+            (["--prompts", str(jsonl)], "--prompts '.*p.jsonl' line 3: not valid JSON")):
+        assert pod.main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err), err
