@@ -192,6 +192,21 @@ def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask))
 
 
+def restore(mgr, state, ckpt_dir: str):
+    """``state`` from the manager's latest checkpoint (as it is, if there is none); a checkpoint
+    that cannot be read (damaged, cut short, another model's) is one error naming the folder and
+    the step."""
+    step = mgr.latest_step()
+    if step is None:
+        return state
+    try:
+        return mgr.restore(step, args=ocp.args.StandardRestore(state))
+    except Exception as e:       # orbax's and tensorstore's own errors
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise SystemExit(f"--ckpt-dir {ckpt_dir}: step {step} under {mgr.directory} cannot be "
+                         f"restored ({why}); delete it or use another --ckpt-dir") from None
+
+
 def train(name: str, cfg: ModelConfig, seqs: np.ndarray, steps: int, run: Run, ckpt_dir: str,
           seed: int, teacher: W.Weights | None = None, teacher_cfg: ModelConfig | None = None
           ) -> W.Weights:
@@ -202,8 +217,7 @@ def train(name: str, cfg: ModelConfig, seqs: np.ndarray, steps: int, run: Run, c
     state = jax.device_put(state.replace(step=np.int32(0)), jax.devices()[0])
     options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=run.ckpt_every)
     with ocp.CheckpointManager(os.path.join(os.path.abspath(ckpt_dir), name), options=options) as mgr:
-        if mgr.latest_step() is not None:
-            state = mgr.restore(mgr.latest_step(), args=ocp.args.StandardRestore(state))
+        state = restore(mgr, state, ckpt_dir)
         order = batch_order(len(seqs), steps, run.batch_size, seed)
         start = int(state.step)
         bar = tqdm(range(start, steps), desc=f"{name} ({cfg.num_params() / 1e6:.2f}M params)",
@@ -281,9 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = dataclasses.replace(SMOKE if args.smoke else FULL, seed=args.seed)
     if args.table_only:
+        target = os.path.join(args.out, "target")
+        cfg = ModelConfig.from_folder(target)
+        if (cfg.vocab_size, cfg.max_position_embeddings) != (run.vocab_size, run.seq_len):
+            raise SystemExit(
+                f"--table-only: {target} (vocabulary {cfg.vocab_size}, context "
+                f"{cfg.max_position_embeddings}) is not what this run trains (vocabulary "
+                f"{run.vocab_size}, context {run.seq_len}): {'drop' if args.smoke else 'add'} --smoke")
         root, files = corpus_files(run.max_files)
         texts = read_texts(root, [f for i, f in enumerate(files) if i % HELD_OUT_EVERY])
-        target = os.path.join(args.out, "target")
         tok = Tokenizer.from_file(os.path.join(target, "tokenizer.json"))
         write_ngram_table(target, pack(tok, texts, run.seq_len))
         return 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import shlex
@@ -111,6 +112,14 @@ def card(hc: eagle.HeadConfig, run: Run, metrics: dict, command: str) -> str:
                   if k != "held_out_agreement_per_position"))
 
 
+def _digest(weights) -> str:
+    """The target's weights' digest (a resume refuses a target rebuilt at the same path)."""
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(weights):
+        h.update(np.asarray(x).tobytes())
+    return h.hexdigest()[:16]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the head's folder (written)")
@@ -120,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny run of a few seconds")
     parser.add_argument("--steps", type=int, default=None, help="override the run's steps")
     args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps {args.steps} must be >= 1")
     run = dataclasses.replace(SMOKE if args.smoke else FULL, seed=args.seed)
     if args.steps is not None:
         run = dataclasses.replace(run, steps=args.steps)
@@ -135,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(args.ckpt_dir, exist_ok=True)
     run_file = os.path.join(args.ckpt_dir, "run.json")
-    desc = json.dumps({**dataclasses.asdict(run), "target": os.path.abspath(target_path)},
-                      sort_keys=True, default=str)
+    desc = json.dumps({**dataclasses.asdict(run), "target": os.path.abspath(target_path),
+                       "target_weights": _digest(target)}, sort_keys=True, default=str)
     if os.path.exists(run_file) and open(run_file).read() != desc:
         raise SystemExit(f"{args.ckpt_dir} holds checkpoints of a different run; use another --ckpt-dir")
     with open(run_file, "w") as f:
@@ -157,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=run.ckpt_every)
     with ocp.CheckpointManager(os.path.join(os.path.abspath(args.ckpt_dir), "head"),
                                options=options) as mgr:
-        if mgr.latest_step() is not None:
-            state = mgr.restore(mgr.latest_step(), args=ocp.args.StandardRestore(state))
+        state = train_demo.restore(mgr, state, args.ckpt_dir)
         start = int(state.step)
         bar = tqdm(range(start, run.steps), desc="EAGLE-3 head", initial=start, total=run.steps,
                    dynamic_ncols=True)

@@ -83,6 +83,20 @@ def test_train_eagle_smoke_resumes_bit_for_bit(tmp_path):
             == (tmp_path / "b" / "model.safetensors").read_bytes())
     cfg, _ = eagle.load(str(tmp_path / "a"), ModelConfig.from_folder(default_model_path()))
     assert cfg.draft_vocab_size == train_eagle.SMOKE.draft_vocab
+    # the run.json a resume must match names the target's weights, not only its path
+    run = json.loads((ckpt / "run.json").read_text())
+    (ckpt / "run.json").write_text(json.dumps({**run, "target_weights": "another"}, sort_keys=True))
+    with pytest.raises(SystemExit, match="holds checkpoints of a different run"):
+        train_eagle.main(args("c"))
+    (ckpt / "run.json").write_text(json.dumps(run, sort_keys=True))
+    last = ckpt / "head" / str(train_eagle.SMOKE.steps)
+    for f in last.rglob("_METADATA"):         # a damaged checkpoint: one line naming it
+        f.unlink()
+    with pytest.raises(SystemExit, match=rf"--ckpt-dir {ckpt}: step {train_eagle.SMOKE.steps} "
+                                         r"under .* cannot be restored"):
+        train_eagle.main(args("c"))
+    with pytest.raises(SystemExit):           # argparse's error: 2
+        train_eagle.main([*args("c"), "--steps", "0"])
 
 
 def test_the_shipped_head_drafts_for_the_demo_target():

@@ -109,7 +109,8 @@ def init_state(hw: eagle.HeadWeights, embed, learning_rate: float, steps: int,
     """(the training state of head ``hw``: AdamW with warmup and cosine decay over ``steps``,
     gradients clipped to norm 1; the frozen fields, the target's embedding among them)."""
     params, frozen = split(dataclasses.replace(hw, embed=jnp.asarray(embed)))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(steps // 20, 1), steps)
+    warmup = min(max(steps // 20, 1), steps - 1)      # a 1-step run: none
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, steps)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=weight_decay))
     return TrainState.create(apply_fn=None, params=params, tx=tx), frozen
 
