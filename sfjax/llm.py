@@ -173,7 +173,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             p, cap = (p, None) if p is not None else self.default_request()
             try:
-                children = p.children() if isinstance(p, SamplingParams) else [p]
+                children = p.checked().children() if isinstance(p, SamplingParams) else [p]
                 requests += [self.engine.prepare(self._new_id(), prompt, c, cap) for c in children]
             except ValueError as e:       # InvalidType is one too
                 self.engine._arrivals = arrivals     # nothing of the call happened
@@ -266,8 +266,9 @@ class LLM:
 
 def _gathered(outs: list[RequestOutput]) -> RequestOutput:
     """One prompt's n outputs as one (vLLM's parallel sampling): the first's, with every
-    completion in order, ``index`` i the i-th."""
+    completion in order, ``index`` i the i-th, and the first failed one's error."""
     if len(outs) == 1:
         return outs[0]
     return dataclasses.replace(outs[0], outputs=[dataclasses.replace(o.outputs[0], index=i)
-                                                 for i, o in enumerate(outs)])
+                                                 for i, o in enumerate(outs)],
+                               error=next((o.error for o in outs if o.error), None))

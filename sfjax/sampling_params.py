@@ -17,8 +17,8 @@ class SamplingParams:
 
     n: completions per prompt (``LLM.generate``; vLLM's parallel sampling): n requests with
         this prompt and these params, seeded with seed + i where a seed is given, as in vLLM;
-        one ``RequestOutput`` with their n completions (``index`` i). The engine and the server
-        take one sequence per request.
+        one ``RequestOutput`` with their n completions (``index`` i); the server's n choices
+        alike. The engine and ``sfjax.functional`` take one sequence per request.
     temperature: 0 is greedy; > 0 samples by Gumbel-max with a counter-based key per position.
     top_k: keep the k most likely tokens; 0 or -1 turns it off, and so does any k at least the
         vocabulary's size (every token is kept).

@@ -361,6 +361,7 @@ def test_n_choices_are_vllms_parallel_sampling(client, server, offline, stream):
                                       **kw)
         got = [(c.index, c.text, c.model_extra["token_ids"]) for c in r.choices]
         usage = r.usage
+        assert all(c.model_extra["sfjax"]["certificate"] for c in r.choices)   # each its own
     else:
         got, usage = {i: [i, "", []] for i in range(3)}, None
         for chunk in client.completions.create(model=MODEL, prompt="def fib(n):", n=3,
@@ -374,8 +375,12 @@ def test_n_choices_are_vllms_parallel_sampling(client, server, offline, stream):
     assert got == [(i, w.text, w.token_ids) for i, w in enumerate(want)]
     assert usage.completion_tokens == sum(len(w.token_ids) for w in want)
     chat = client.chat.completions.create(model=MODEL, n=2, messages=[
-        {"role": "user", "content": "hi"}], temperature=0.9, seed=5, max_tokens=4)
-    assert [c.index for c in chat.choices] == [0, 1]
+        {"role": "user", "content": "hi"}], temperature=0.9, seed=5, max_tokens=4, stream=stream)
+    if stream:
+        roles = [c.index for chunk in chat for c in chunk.choices if c.delta.role]
+        assert sorted(roles) == [0, 1]                      # a role chunk per choice
+    else:
+        assert [c.index for c in chat.choices] == [0, 1]
     with pytest.raises(openai.BadRequestError) as e:      # prompt + max_tokens over the context
         client.completions.create(model=MODEL, prompt="def fib(n):", n=2, max_tokens=125)
     assert e.value.body["param"] == "max_tokens"

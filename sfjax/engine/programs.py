@@ -40,7 +40,7 @@ EXECUTABLE_CACHE_SIZE = int(os.environ.get("SFJAX_EXECUTABLE_CACHE", "24"))
 # new shapes for every program; past this many the least recently used widening's programs are
 # let go (compiled again if it comes back), so what a serving engine holds does not grow with
 # the widths its clients ask for.
-WIDE_PROGRAMS = 2
+WIDE_PROGRAMS = int(os.environ.get("SFJAX_WIDE_PROGRAMS", "2"))
 
 _recent: collections.OrderedDict = collections.OrderedDict()
 
@@ -109,7 +109,8 @@ class ByWidths:
 
     def __call__(self, engine, widths: tuple[int, int, int]) -> Programs:
         """``engine``'s programs (the one this was built for) for a table of ``widths``."""
-        found = self._by.pop(widths, None) or programs_for(engine, share=False)
+        found = self._by.pop(widths, None) or dataclasses.replace(   # the tables' own: the same
+            programs_for(engine, share=False), update_blocks=self._by[self.base].update_blocks)
         self._by[widths] = found
         wide = [w for w in self._by if w != self.base]
         for w in wide[:max(0, len(wide) - WIDE_PROGRAMS)]:

@@ -112,16 +112,24 @@ class Server:
         """Admits the request's ``n`` sequences (vLLM's parallel sampling: ids "i_<id>", child i
         seeded seed + i, ``SamplingParams.children``) and waits for each one's first output:
         [(first output, its generator)]. A refusal aborts the ones admitted before it."""
-        children, started = params.children(), []
+        children = params.children()
+        if len(children) == 1:
+            return [await self._start_one(prompt, params, request_id, renames)]
+        held = self.engine.engine.config.max_num_seqs + (self.engine.max_waiting or 0)
+        if self.engine.max_waiting is not None and len(children) > held:
+            raise APIError(f"n = {len(children)} is more than this server holds at once "
+                           f"({held}: max_num_seqs and --max-waiting)", "n")
+        tasks = [asyncio.ensure_future(self._start_one(prompt, child, f"{i}_{request_id}", renames))
+                 for i, child in enumerate(children)]       # admitted together, as vLLM does
         try:
-            for i, child in enumerate(children):
-                rid = request_id if len(children) == 1 else f"{i}_{request_id}"
-                started.append(await self._start_one(prompt, child, rid, renames))
+            return list(await asyncio.gather(*tasks))
         except BaseException:
-            for _, gen in started:
-                await gen.aclose()
+            for t in tasks:
+                t.cancel()
+            for got in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(got, tuple):
+                    await got[1].aclose()
             raise
-        return started
 
     async def _start_one(self, prompt, params, request_id: str, renames: dict):
         gen = self.engine.generate(prompt, params, request_id)
@@ -166,8 +174,8 @@ class Server:
 
     async def _whole(self, req, raw: Request, rid: str, kind: str, started, choice):
         """A non-streamed response: each sequence's last output as ``choice(completion)`` (index
-        i the i-th), with the token ids if asked, usage and sfjax's fields (a list of them, one
-        per choice, for n > 1)."""
+        i the i-th), with the token ids if asked, usage and sfjax's fields (the first choice's;
+        for n > 1 each choice carries its own too)."""
         try:
             outs = await _unless_disconnected(raw, _lasts(started))
         except (EngineClosed, EngineStepFailed) as e:
@@ -181,9 +189,10 @@ class Server:
             choices.append({**choice(c), "index": i})
             if req.return_token_ids:
                 choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
-        info = [P.sfjax_info(out) for out in outs]
+            if len(outs) > 1:
+                choices[-1]["sfjax"] = P.sfjax_info(out)
         body = {**P.envelope(kind, rid, self.model_name), "choices": choices,
-                "usage": P.usage(outs), "sfjax": info[0] if len(info) == 1 else info}
+                "usage": P.usage(outs), "sfjax": P.sfjax_info(outs[0])}
         return JSONResponse(body, headers=_certificate_header(outs[0]))
 
     def _completion_chunks(self, req, params, rid, started) -> AsyncIterator[dict]:
@@ -298,9 +307,9 @@ async def _chunks(req, params, started, head, choice, opening: dict | None = Non
     choice, if given), then one per output with new text, tokens or the end (``choice(out,
     text, ids, logprob entries, text offset, finish reason or None)``), the sequences' chunks
     as they come; then with include_usage a last chunk with the usage of all of them (with
-    continuous_usage_stats, also the usage so far on every chunk, as vLLM gives it). An output
-    the engine failed, or an engine that stopped serving it (``_engine_error``), ends the
-    stream with OpenAI's error body as its event (before [DONE]), the other sequences
+    continuous_usage_stats, also each chunk's choice's usage so far, as vLLM gives it). An
+    output the engine failed, or an engine that stopped serving it (``_engine_error``), ends
+    the stream with OpenAI's error body as its event (before [DONE]), the other sequences
     aborted."""
     options = req.stream_options
     continuous = bool(options and options.continuous_usage_stats)
@@ -308,14 +317,14 @@ async def _chunks(req, params, started, head, choice, opening: dict | None = Non
     lasts = [first for first, _ in started]          # each sequence's latest output
     counts = [0] * len(started)                      # its tokens sent so far
 
-    def chunk(choices: list, **extra) -> dict:
-        usage = P.usage(lasts, sum(counts)) if continuous else None
-        return {**head(), "choices": choices, **({"usage": usage} if include_usage else {}),
-                **extra}
+    def chunk(i: int, choice: dict, **extra) -> dict:   # vLLM's: the choice's own usage
+        usage = P.usage(lasts[i:i + 1], counts[i]) if continuous else None
+        return {**head(), "choices": [{**choice, "index": i}],
+                **({"usage": usage} if include_usage else {}), **extra}
 
     async def one(i: int, first, gen) -> AsyncIterator[dict]:
         if opening is not None:
-            yield chunk([{**opening, "index": i}])
+            yield chunk(i, opening)
         delta = Delta(params)
         async with contextlib.aclosing(_chain(first, gen)) as outs:
             try:
@@ -328,8 +337,7 @@ async def _chunks(req, params, started, head, choice, opening: dict | None = Non
                     counts[i] += len(ids)
                     reason = out.outputs[0].finish_reason if out.finished else None
                     if text or ids or reason is not None:
-                        yield chunk([{**choice(out, text, ids, entries, offset, reason),
-                                      "index": i}],
+                        yield chunk(i, choice(out, text, ids, entries, offset, reason),
                                     **({"sfjax": P.sfjax_info(out)} if reason is not None else {}))
             except (EngineClosed, EngineStepFailed) as e:
                 yield _engine_error(e).body()
