@@ -122,11 +122,11 @@ def count_hf_rounds() -> None:
 
 def load_hf(folder: str):
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     t = time.perf_counter()
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return model, time.perf_counter() - t
 
 

@@ -22,6 +22,13 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
 _USE_SLIDING_WINDOW = ("qwen2", "qwen3")       # config.json's flag; sfjax serves it false
+# transformers' defaults, by model_type, for fields a config.json leaves out (Llama's: heads for
+# num_key_value_heads, hidden / heads for head_dim, 2048 positions)
+_DEFAULTS = {"llama": {}, "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072,
+                                      "sliding_window": 4096},
+             "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+             "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768,
+                       "head_dim": 128}}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -104,6 +111,7 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ValueError(f"config.json: must be a JSON object, got {type(hf).__name__}")
         kind = _supported(hf)
+        hf = {**_DEFAULTS[kind], **hf}          # transformers' defaults for what it leaves out
         n = lambda name, default=None, lo=1: _int(hf, name, default, lo)
         heads, hidden = n("num_attention_heads"), n("hidden_size")
         if dtype == "auto":
@@ -118,9 +126,9 @@ class ModelConfig:
             vocab_size=n("vocab_size"), hidden_size=hidden,
             intermediate_size=n("intermediate_size"), num_layers=n("num_hidden_layers"),
             num_heads=heads, num_kv_heads=n("num_key_value_heads", heads),
-            head_dim=n("head_dim", 128 if kind == "qwen3" else hidden // heads),   # HF's
+            head_dim=n("head_dim", hidden // heads),
             rope_theta=theta,
-            rope_scaling=_rope_scaling(scaling),
+            rope_scaling=_rope_scaling(scaling, hf),
             rms_norm_eps=C.real("config.json: rms_norm_eps", hf.get("rms_norm_eps", 1e-6), 0),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=n("max_position_embeddings", 2048, 2),
@@ -212,7 +220,8 @@ def _int(hf: dict[str, Any], name: str, default: int | None, lo: int) -> int:
 
 
 def _sliding_window(hf: dict[str, Any], kind: str) -> int | None:
-    """Mistral's sliding window (None: none, or another model's field transformers ignores)."""
+    """Mistral's sliding window (None: none, or another model's field transformers ignores; a
+    Mistral config.json without the key has transformers' 4096, ``_DEFAULTS``)."""
     if kind != "mistral":
         return None
     return C.integer("config.json: sliding_window", hf.get("sliding_window"), 1, optional=True)
@@ -233,7 +242,10 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta(rp.get("rope_theta", hf.get("rope_theta", 10000.0))), rp
 
 
-def _rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
+def _rope_scaling(rs: dict[str, Any] | None, hf: dict[str, Any]) -> RopeScaling | None:
+    """The scaling as transformers reads it: llama3 needs its factors (transformers raises a
+    KeyError without them), and its original_max_position_embeddings is config.json's own field
+    where it has one, else the dict's, else max_position_embeddings."""
     if not rs:
         return None
     if not isinstance(rs, dict):
@@ -244,6 +256,14 @@ def _rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
     if kind not in ("llama3", "linear"):
         raise ValueError(f"config.json: rope type {kind!r} is not supported (default, llama3, "
                          f"linear)")
+    needed = ("factor", "low_freq_factor", "high_freq_factor") if kind == "llama3" else ("factor",)
+    if missing := [k for k in needed if k not in rs]:
+        raise ValueError(f"config.json: rope_scaling.{missing[0]} is missing ({kind} rope needs "
+                         f"{', '.join(needed)})")
+    if kind == "llama3":
+        rs = {**rs, "original_max_position_embeddings": hf.get(
+            "original_max_position_embeddings", rs.get("original_max_position_embeddings",
+                                                       hf.get("max_position_embeddings", 2048)))}
     fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
 
     def number(k, v):

@@ -236,18 +236,36 @@ def load_hf(path: str, cfg: ModelConfig) -> Weights:
 
     arrays = {}
     for name, a in describe(cfg).items():
-        if "{i}" in a.hf_name:
-            parts = [read(a.hf_name.format(i=i)) for i in range(cfg.num_layers)]
-            x = np.stack([p.T if a.transpose else p for p in parts])
-        else:
-            x = read(a.hf_name)
-            x = x.T if a.transpose else x
-        if x.shape != a.shape:
-            raise ValueError(f"model folder: {a.hf_name} has shape {x.shape}, config.json implies {a.shape}")
+        layered = "{i}" in a.hf_name
+        want = a.shape[1:] if layered else a.shape
+        want = want[::-1] if a.transpose else want            # as the file holds it
+        parts = []
+        names = [a.hf_name.format(i=i) for i in range(cfg.num_layers)] if layered else [a.hf_name]
+        for hf_name in names:
+            x = read(hf_name)
+            if tuple(x.shape) != tuple(want):
+                raise ValueError(f"model folder: {hf_name} has shape {tuple(x.shape)}, "
+                                 f"config.json implies {tuple(want)}")
+            parts.append(x.T if a.transpose else x)
+        x = np.stack(parts) if layered else parts[0]
         arrays[name] = np.asarray(x).astype(cfg.jnp_dtype, copy=False)
     if cfg.tie_word_embeddings:
+        _check_tied(reader, arrays["embed"])
         arrays["lm_head"] = None
     return Weights(**arrays)
+
+
+def _check_tied(reader, embed: np.ndarray) -> None:
+    """A tied model's folder may hold lm_head.weight only as the embedding's copy: transformers
+    5 serves a different one untied, sfjax (and vLLM) the embedding; so it is refused."""
+    if "lm_head.weight" not in reader.names:
+        return
+    head = reader("lm_head.weight")
+    if head.shape != embed.shape or not np.array_equal(head.astype(embed.dtype), embed):
+        raise ValueError("model folder: config.json ties the LM head to the embedding "
+                         "(tie_word_embeddings), but lm_head.weight differs from "
+                         "model.embed_tokens.weight: set tie_word_embeddings false to serve "
+                         "that head")
 
 
 def save_hf(path: str, cfg: ModelConfig, weights: Weights, max_shard_bytes: int | None = None) -> None:

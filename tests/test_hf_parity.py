@@ -14,6 +14,7 @@ Measured on XLA:CPU / torch CPU (float32), for the record:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -237,6 +238,59 @@ def test_rope_scaling_matters_past_original_context(name, model_folder, hf_model
     for a, b in [(sfjax_logits(scaled, parity_ids), sfjax_logits(plain, parity_ids)),
                  (hf_logits(hf_model(scaled), parity_ids), hf_logits(hf_model(plain), parity_ids))]:
         assert np.abs(a[64:] - b[64:]).max() > 0.1
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fields_config_json_leaves_out_mean_what_transformers_takes(model_type):
+    """A field a config.json leaves out is transformers' default for that model type (a
+    Mistral without sliding_window windows at 4096 there, and Qwen's KV heads default to 32),
+    and so is a llama3 rope's original_max_position_embeddings (config.json's own field first,
+    then the scaling's, then max_position_embeddings); a llama3 rope missing a factor is
+    refused, as transformers refuses it (a KeyError). sfjax had read them otherwise."""
+    full = dataclasses.replace(toy.tiny_config(num_heads=32, num_kv_heads=8, head_dim=2),
+                               model_type=model_type).to_hf_config()
+    for drop in ("num_key_value_heads", "max_position_embeddings", "sliding_window", "head_dim"):
+        hf = {k: v for k, v in full.items() if k != drop}
+        ours, theirs = ModelConfig.from_hf_config(hf), transformers.AutoConfig.for_model(**hf)
+        assert ours.num_kv_heads == theirs.num_key_value_heads, drop
+        assert ours.max_position_embeddings == theirs.max_position_embeddings, drop
+        assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 32), drop
+        assert ours.sliding_window == (theirs.sliding_window if model_type == "mistral" else None)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    for extra in ({}, {"original_max_position_embeddings": 64}):
+        for inner in ({}, {"original_max_position_embeddings": 256}):
+            hf = lambda: copy.deepcopy({**full, "sliding_window": None, **extra,   # HF edits it
+                                        "rope_scaling": {**rope, **inner}})
+            ours = ModelConfig.from_hf_config(hf()).rope_scaling
+            model = transformers.AutoModelForCausalLM.from_config(    # as a model reads it
+                transformers.AutoConfig.for_model(**hf()))
+            theirs = model.config.rope_parameters["original_max_position_embeddings"]
+            assert ours.original_max_position_embeddings == theirs, (extra, inner)
+    with pytest.raises(ValueError, match="rope_scaling.low_freq_factor is missing"):
+        ModelConfig.from_hf_config({**full, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                            "high_freq_factor": 4.0}})
+
+
+def test_a_tied_model_with_another_lm_head_is_refused(model_folder, tmp_path):
+    """tie_word_embeddings with an lm_head.weight that is not the embedding: transformers 5
+    serves that head untied, sfjax (as vLLM) the embedding, so the folder is refused naming
+    both (it ran on the embedding with no word); a copy of the embedding is taken."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    folder = shutil.copytree(model_folder(toy.tiny_config(tie_word_embeddings=True)),
+                             tmp_path / "m")
+    tensors = load_file(str(folder / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    cfg = ModelConfig.from_folder(str(folder))
+    for head, refused in ((embed.copy(), False), (embed[::-1].copy(), True)):
+        save_file({**tensors, "lm_head.weight": head}, str(folder / "model.safetensors"))
+        if refused:
+            with pytest.raises(ValueError, match="ties the LM head to the embedding .* but "
+                                                 "lm_head.weight differs"):
+                W.load_hf(str(folder), cfg)
+        else:
+            assert W.load_hf(str(folder), cfg).lm_head is None
 
 
 @pytest.mark.parametrize("name", ["gqa", "llama3", "linear"])
