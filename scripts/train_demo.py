@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(
                 f"--table-only: {target} (vocabulary {cfg.vocab_size}, context "
                 f"{cfg.max_position_embeddings}) is not what this run trains (vocabulary "
-                f"{run.vocab_size}, context {run.seq_len}): {'drop' if args.smoke else 'add'} --smoke")
+                f"{run.vocab_size}, context {run.seq_len}): "
+                f"{'drop' if args.smoke else 'add'} --smoke")
         root, files = corpus_files(run.max_files)
         texts = read_texts(root, [f for i, f in enumerate(files) if i % HELD_OUT_EVERY])
         tok = Tokenizer.from_file(os.path.join(target, "tokenizer.json"))

@@ -410,10 +410,10 @@ def test_models_tokenize_detokenize(client, server, offline):
 
 
 def test_a_long_tokenization_leaves_the_server_answering(server, offline):
-    """The server tokenizes off its event loop: while a prompt of 2.3 MB or more tokenizes (more
-    than a second; 1.6 s on the 2-core box), /health keeps answering. tokenizers' single-text encode held the GIL for
-    the whole text, so every route and stream waited for it (the longest gap was the whole
-    tokenization); now no gap comes near half of it."""
+    """The server tokenizes off its event loop: while a prompt of 2.3 MB or more tokenizes
+    (more than a second; 1.6 s on the 2-core box), /health keeps answering. tokenizers'
+    single-text encode held the GIL for the whole text, so every route and stream waited for
+    it (the longest gap was the whole tokenization); now no gap comes near half of it."""
     import sfjax.engine.engine as source
     with open(source.__file__) as f:
         text = f.read() * 60
