@@ -44,9 +44,10 @@ def init_distributed(args) -> None:
     num = args.num_processes if args.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
     pid = args.process_id if args.process_id is not None else _env_int("JAX_PROCESS_ID")
     if num is not None and num < 1:
-        raise ValueError(f"--num-processes {num} must be >= 1")
-    if pid is not None and not 0 <= pid < (num if num is not None else pid + 1):
-        raise ValueError(f"--process-id {pid} must be in [0, --num-processes {num})")
+        raise ValueError(f"--num-processes (or JAX_NUM_PROCESSES) {num} must be >= 1")
+    if pid is not None and (pid < 0 or num is not None and pid >= num):
+        raise ValueError(f"--process-id (or JAX_PROCESS_ID) {pid} must be in [0, {num}), "
+                         f"--num-processes")
     if num == 1:
         return
     # CPU processes talk over gloo, jax's default jax_cpu_collectives_implementation (>= 0.10.2)

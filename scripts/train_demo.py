@@ -194,8 +194,8 @@ def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
 
 def restore(mgr, state, ckpt_dir: str):
     """``state`` from the manager's latest checkpoint (as it is, if there is none); a checkpoint
-    that cannot be read (damaged, cut short, another model's) is one error naming the folder and
-    the step."""
+    that cannot be restored (damaged, cut short, another model's, or memory running out) is one
+    error naming the folder and the step."""
     step = mgr.latest_step()
     if step is None:
         return state
@@ -204,7 +204,8 @@ def restore(mgr, state, ckpt_dir: str):
     except Exception as e:       # orbax's and tensorstore's own errors
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise SystemExit(f"--ckpt-dir {ckpt_dir}: step {step} under {mgr.directory} cannot be "
-                         f"restored ({why}); delete it or use another --ckpt-dir") from None
+                         f"restored ({why}); if it is damaged or another run's, delete it or "
+                         f"use another --ckpt-dir") from None
 
 
 def train(name: str, cfg: ModelConfig, seqs: np.ndarray, steps: int, run: Run, ckpt_dir: str,

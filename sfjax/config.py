@@ -22,8 +22,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
 _USE_SLIDING_WINDOW = ("qwen2", "qwen3")       # config.json's flag; sfjax serves it false
-# transformers' defaults, by model_type, for fields a config.json leaves out (Llama's: heads for
-# num_key_value_heads, hidden / heads for head_dim, 2048 positions)
+# transformers' defaults, by model_type, for num_key_value_heads, max_position_embeddings,
+# head_dim and Mistral's sliding_window where a config.json leaves them out (Llama's: heads,
+# 2048 positions, hidden / heads); sfjax requires the sizes and has no default token ids
 _DEFAULTS = {"llama": {}, "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072,
                                       "sliding_window": 4096},
              "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
@@ -111,9 +112,13 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ValueError(f"config.json: must be a JSON object, got {type(hf).__name__}")
         kind = _supported(hf)
-        hf = {**_DEFAULTS[kind], **hf}          # transformers' defaults for what it leaves out
+        given, hf = hf, {**_DEFAULTS[kind], **hf}       # transformers' defaults where left out
         n = lambda name, default=None, lo=1: _int(hf, name, default, lo)
         heads, hidden = n("num_attention_heads"), n("hidden_size")
+        if "num_key_value_heads" not in given and heads % n("num_key_value_heads", heads):
+            raise ValueError(f"config.json leaves out num_key_value_heads, and transformers' "
+                             f"default for {kind} ({hf['num_key_value_heads']}) does not divide "
+                             f"num_attention_heads ({heads})")
         if dtype == "auto":
             dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
             if dtype not in _DTYPES:
@@ -121,14 +126,14 @@ class ModelConfig:
                                  f"({', '.join(sorted(_DTYPES))}); dtype= (--dtype) loads the "
                                  f"weights as one of them")
         bos = C.integer("config.json: bos_token_id", hf.get("bos_token_id"), 0, optional=True)
-        theta, scaling = _rope(hf)
+        theta, scaling, field = _rope(hf)
         return cls(
             vocab_size=n("vocab_size"), hidden_size=hidden,
             intermediate_size=n("intermediate_size"), num_layers=n("num_hidden_layers"),
             num_heads=heads, num_kv_heads=n("num_key_value_heads", heads),
             head_dim=n("head_dim", hidden // heads),
             rope_theta=theta,
-            rope_scaling=_rope_scaling(scaling, hf),
+            rope_scaling=_rope_scaling(scaling, hf, field),
             rms_norm_eps=C.real("config.json: rms_norm_eps", hf.get("rms_norm_eps", 1e-6), 0),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=n("max_position_embeddings", 2048, 2),
@@ -227,29 +232,30 @@ def _sliding_window(hf: dict[str, Any], kind: str) -> int | None:
     return C.integer("config.json: sliding_window", hf.get("sliding_window"), 1, optional=True)
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, the scaling dict): transformers 5 writes both in ``rope_parameters``,
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, str]:
+    """(rope_theta, the scaling dict, its field): transformers 5 writes both in ``rope_parameters``,
     earlier versions as ``rope_theta`` and ``rope_scaling``; ``rope_parameters`` wins, as it
     does in transformers."""
     rp = hf.get("rope_parameters")
     theta = lambda x: C.real("config.json: rope_theta", x, 0, lo_open=True)
     if rp is None:
-        return theta(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+        return theta(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling"), "rope_scaling"
     rp = {"rope_type": "default", **rp} if isinstance(rp, dict) and "type" not in rp else rp
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
         raise ValueError(f"config.json: rope_parameters {rp!r} is not supported (one dict for "
                          f"every layer, as Llama's)")
-    return theta(rp.get("rope_theta", hf.get("rope_theta", 10000.0))), rp
+    return theta(rp.get("rope_theta", hf.get("rope_theta", 10000.0))), rp, "rope_parameters"
 
 
-def _rope_scaling(rs: dict[str, Any] | None, hf: dict[str, Any]) -> RopeScaling | None:
+def _rope_scaling(rs: dict[str, Any] | None, hf: dict[str, Any],
+                  field: str = "rope_scaling") -> RopeScaling | None:
     """The scaling as transformers reads it: llama3 needs its factors (transformers raises a
     KeyError without them), and its original_max_position_embeddings is config.json's own field
     where it has one, else the dict's, else max_position_embeddings."""
     if not rs:
         return None
     if not isinstance(rs, dict):
-        raise ValueError(f"config.json: rope_scaling {rs!r} must be a JSON object or null")
+        raise ValueError(f"config.json: {field} {rs!r} must be a JSON object or null")
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "default":
         return None
@@ -258,18 +264,18 @@ def _rope_scaling(rs: dict[str, Any] | None, hf: dict[str, Any]) -> RopeScaling 
                          f"linear)")
     needed = ("factor", "low_freq_factor", "high_freq_factor") if kind == "llama3" else ("factor",)
     if missing := [k for k in needed if k not in rs]:
-        raise ValueError(f"config.json: rope_scaling.{missing[0]} is missing ({kind} rope needs "
+        raise ValueError(f"config.json: {field}.{missing[0]} is missing ({kind} rope needs "
                          f"{', '.join(needed)})")
-    if kind == "llama3":
-        rs = {**rs, "original_max_position_embeddings": hf.get(
-            "original_max_position_embeddings", rs.get("original_max_position_embeddings",
-                                                       hf.get("max_position_embeddings", 2048)))}
+    own = "original_max_position_embeddings"
+    if kind == "llama3":       # config.json's own field first, as transformers takes it
+        where = own if own in hf else f"{field}.{own}"
+        rs = {**rs, own: hf.get(own, rs.get(own, hf.get("max_position_embeddings", 2048)))}
     fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
 
     def number(k, v):
-        if k == "original_max_position_embeddings":
-            return C.integer(f"config.json: rope_scaling.{k}", v, 1)
-        return C.real(f"config.json: rope_scaling.{k}", v, 0, lo_open=True)
+        if k == own:
+            return C.integer(f"config.json: {where}", v, 1)
+        return C.real(f"config.json: {field}.{k}", v, 0, lo_open=True)
     return RopeScaling(rope_type=kind, **{k: number(k, v) for k, v in rs.items() if k in fields})
 
 

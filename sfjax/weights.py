@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 from typing import Callable, NamedTuple
 
 import jax
@@ -270,13 +271,10 @@ def _check_tied(reader, embed: np.ndarray) -> None:
 
 def save_hf(path: str, cfg: ModelConfig, weights: Weights, max_shard_bytes: int | None = None) -> None:
     """Writes ``config.json`` and safetensors (sharded with an index past ``max_shard_bytes``),
-    replacing the weights files of an earlier save there (a stale index or single file beside
-    the new layout made sfjax and transformers read different weights)."""
+    then removes the weights files of an earlier save there that this one did not write (a
+    stale index or single file beside the new layout made sfjax and transformers read
+    different weights)."""
     os.makedirs(path, exist_ok=True)
-    for old in glob.glob(os.path.join(path, "model-*-of-*.safetensors")) + [
-            os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json")]:
-        if os.path.exists(old):
-            os.remove(old)
     tensors: dict[str, np.ndarray] = {}
     for name, a in describe(cfg).items():
         x = np.asarray(jax.device_get(getattr(weights, name)))
@@ -287,24 +285,27 @@ def save_hf(path: str, cfg: ModelConfig, weights: Weights, max_shard_bytes: int 
             tensors[a.hf_name] = np.ascontiguousarray(x.T if a.transpose else x)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf_config(), f, indent=2)
-    if max_shard_bytes is None:
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        return
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for k, v in tensors.items():
-        if shards[-1] and size + v.nbytes > max_shard_bytes:
+        if max_shard_bytes is not None and shards[-1] and size + v.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][k] = v
         size += v.nbytes
-    weight_map = {}
-    for n, shard in enumerate(shards):
-        fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+    files = (["model.safetensors"] if max_shard_bytes is None else
+             [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
+    for fname, shard in zip(files, shards):
         save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    if max_shard_bytes is not None:
+        weight_map = {k: fname for fname, shard in zip(files, shards) for k in shard}
+        files.append("model.safetensors.index.json")
+        with open(os.path.join(path, files[-1]), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    for old in os.listdir(path):
+        if old not in files and re.fullmatch(
+                r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json", old):
+            os.remove(os.path.join(path, old))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +354,8 @@ def load_orbax(path: str, cfg: ModelConfig, mesh=None) -> Weights:
                                                   for f in dataclasses.fields(target)
                                                   if f.name in stored}))
         except Exception as e:
-            raise ValueError(f"orbax checkpoint {path!r} is damaged: {str(e)[:300]}") from None
+            raise ValueError(f"orbax checkpoint {path!r} cannot be restored: {str(e)[:300]}"
+                             ) from None
 
 
 def _check_stored(path: str, stored: dict, cfg: ModelConfig) -> None:

@@ -190,6 +190,7 @@ def test_a_save_replaces_the_last_saves_weights_and_a_damaged_export_is_named(ti
     single file beside it had sfjax and transformers read different weights), other files
     kept; an export whose orbax folder lost its metadata is one error naming it (a raw
     TypeError before)."""
+    import dataclasses
     import os
     import shutil
 
@@ -212,6 +213,10 @@ def test_a_save_replaces_the_last_saves_weights_and_a_damaged_export_is_named(ti
         assert "ngram_table.safetensors" in files
         assert sum(f.startswith("model-") for f in files) == (0 if second is None else
                                                                len(files) - 3)
+        np.testing.assert_array_equal(np.asarray(W.load_hf(path, cfg).embed),
+                                      np.asarray(new.embed))
+        with pytest.raises(Exception):                      # a save that fails keeps the last
+            W.save_hf(path, cfg, dataclasses.replace(old, embed=None), max_shard_bytes=first)
         np.testing.assert_array_equal(np.asarray(W.load_hf(path, cfg).embed),
                                       np.asarray(new.embed))
     export = str(tmp_path / "export")

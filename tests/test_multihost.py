@@ -87,7 +87,7 @@ def test_pod_flags_are_refused_naming_the_flag(tiny_folder, tmp_path, capsys):
     for extra, message in (
             (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0 must be >= 1"),
             (["--data-parallel-size", "0"], "--data-parallel-size 0 must be >= 1"),
-            (["--process-id", "3"], r"--process-id 3 must be in \[0, --num-processes 1\)"),
+            (["--process-id", "3"], r"--process-id \(or JAX_PROCESS_ID\) 3 must be in \[0, 1\)"),
             (["--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
             (["--prompts", str(jsonl)], "--prompts '.*p.jsonl' line 3: not valid JSON")):
         assert pod.main([*base, *extra]) == 2
