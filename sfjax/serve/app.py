@@ -110,8 +110,8 @@ class Server:
 
     async def start(self, prompt, params, request_id: str, renames: dict) -> list[tuple]:
         """Admits the request's ``n`` sequences (vLLM's parallel sampling: ids "i_<id>", child i
-        seeded seed + i, ``SamplingParams.children``) and waits for each one's first output:
-        [(first output, its generator)]. A refusal aborts the ones admitted before it."""
+        seeded seed + i, ``SamplingParams.children``), all together, and waits for each one's
+        first output: [(first output, its generator)]. A refusal of any aborts them all."""
         children = params.children()
         if len(children) == 1:
             return [await self._start_one(prompt, params, request_id, renames)]
