@@ -374,6 +374,8 @@ def test_mistral_and_qwen_folders_run_as_hf_runs_them(model_type, window, model_
     assert alone.engine.config.max_model_len == limit
     out = alone.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == gen and out.finish_reason == "length"
+    if model_type == "qwen3":         # the round runs these same forwards: qwen2's case covers it
+        return
     batch = [{"prompt_token_ids": p} for p in
              (random_ids(5, seed=9), prompt, random_ids(6, seed=10) * 2)]
     spec = LLM(folder, max_num_seqs=4, max_model_len=None if window else limit, speculative_config={
