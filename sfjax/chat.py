@@ -7,6 +7,7 @@ import inspect
 import os
 
 from sfjax.config import read_json
+from sfjax.tokenizer import encode
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -24,6 +25,13 @@ class ChatTemplate:
         self.available = (bool(config.get("chat_template"))
                           or os.path.isfile(os.path.join(path, "chat_template.jinja")))
         self._tokenizer = None
+
+    def prompt(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+               variables: dict | None = None, add_special_tokens: bool = False) -> dict:
+        """The conversation as an engine prompt: ``render``'s text and its ids (``LLM.chat``,
+        the server's chat and ``/tokenize``)."""
+        text = self.render(messages, add_generation_prompt, variables)
+        return {"prompt": text, "prompt_token_ids": encode(tokenizer, text, add_special_tokens)}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                variables: dict | None = None) -> str:

@@ -20,7 +20,7 @@ from sfjax.outputs import RequestOutput
 from sfjax.sampling_params import SamplingParams
 from sfjax.spec import eagle
 from sfjax.spec.config import SpeculativeConfig
-from sfjax.tokenizer import encode, eos_ids, load_tokenizer
+from sfjax.tokenizer import eos_ids, load_tokenizer
 from sfjax.weights import load
 
 
@@ -197,12 +197,11 @@ class LLM:
         prompts = []
         for i, conversation in enumerate(batch):
             try:
-                text = self.chat_template.render(conversation, add_generation_prompt,
-                                                 chat_template_kwargs)
+                prompts.append(self.chat_template.prompt(self.tokenizer, conversation,
+                                                         add_generation_prompt,
+                                                         chat_template_kwargs))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if len(batch) > 1 else str(e)) from None
-            prompts.append({"prompt": text, "prompt_token_ids": encode(self.tokenizer, text,
-                                                                        add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod

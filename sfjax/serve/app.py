@@ -217,22 +217,21 @@ class Server:
         """``text``'s ids, tokenized off the event loop (streams go on meanwhile)."""
         return await asyncio.to_thread(encode, self.tokenizer, text, add_special_tokens)
 
-    async def _render(self, req, add_special_tokens: bool) -> tuple[str, list]:
-        """The request's conversation as text and ids, rendered and tokenized off the event
-        loop."""
+    async def _render(self, req, add_special_tokens: bool) -> dict:
+        """The request's conversation as an engine prompt (``ChatTemplate.prompt``), rendered
+        and tokenized off the event loop."""
         try:
-            text = await asyncio.to_thread(self.chat_template.render, req.messages,
-                                           req.add_generation_prompt, req.chat_template_kwargs)
+            return await asyncio.to_thread(
+                self.chat_template.prompt, self.tokenizer, req.messages,
+                req.add_generation_prompt, req.chat_template_kwargs, add_special_tokens)
         except ValueError as e:
             field = str(e).split(":")[0]
             raise APIError(str(e), field if field == "chat_template_kwargs" else "messages"
                            ) from None
-        return text, await self._encode(text, add_special_tokens)
 
     async def chat(self, req: P.ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        text, ids = await self._render(req, req.add_special_tokens)
-        prompt = {"prompt": text, "prompt_token_ids": ids}
+        prompt = await self._render(req, req.add_special_tokens)
         params = P.chat_params(req, self.defaults, self._room(prompt["prompt_token_ids"]))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         started = await _unless_disconnected(
@@ -276,7 +275,7 @@ class Server:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            _, ids = await self._render(req, bool(req.add_special_tokens))   # chat's default
+            ids = (await self._render(req, bool(req.add_special_tokens)))["prompt_token_ids"]
         else:
             try:
                 prompt = C.text("prompt", req.prompt)
