@@ -55,7 +55,7 @@ State = DeviceState
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Outputs:
-    token_ids: jax.Array         # int32 [B, width] output tokens; -1 past num_tokens
+    token_ids: jax.Array         # int32 [B, width] output tokens, the first width; -1 past num_tokens
     num_tokens: jax.Array        # int32 [B]
     finished: jax.Array          # bool [B]
     num_drafts: jax.Array        # int32 [B]
@@ -174,8 +174,9 @@ def prefill(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg
     """Builds the state for B prompts and draws each row's first token.
 
     prompt_ids: int32 [B, P] (P a fixed bucket, < max_model_len); prompt_lens: int32 [B], 0 for an
-    empty row. Raises ValueError (at trace time) naming the first weight array whose shape or
-    dtype does not fit the config.
+    empty row, in [0, P]: checked where they are on the host; traced ones are clipped to it (a
+    program can't raise). Raises ValueError (at trace time) naming the first weight array whose
+    shape or dtype does not fit the config. ``sampling``'s arrays are copied, never donated.
     """
     w, dw = _weights(weights, draft_weights, cfg)
     return _prefill(w, dw, prompt_ids, prompt_lens, sampling, cfg)
@@ -232,7 +233,7 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     if p >= cfg.max_model_len:
         raise ValueError(f"prompt_ids: width {p} leaves no room for output under max_model_len "
                          f"({cfg.max_model_len})")
-    prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
+    prompt_lens = jnp.clip(jnp.asarray(prompt_lens, jnp.int32), 0, p)
     dp = sharding.dp_of(cfg.mesh)
     if s % dp:
         raise ValueError(f"prompt_ids: a batch of {s} rows can't be split over the mesh's "
@@ -244,7 +245,8 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
         cache=KVCache.zeros(cfg.model, num_blocks, cfg.block_size, mesh=cfg.mesh),
         history=jnp.zeros((s, cfg.max_model_len), jnp.int32),
         block_tables=1 + local[:, None] * per_seq + jnp.arange(per_seq, dtype=jnp.int32)[None, :],
-        table=jax.tree.map(jnp.asarray, sampling), progress=Progress.start(prompt_lens))
+        table=jax.tree.map(jnp.array, sampling),      # a copy: the rounds donate the state
+        progress=Progress.start(prompt_lens))
     pos = jnp.arange(p, dtype=jnp.int32)[None, :]
     real = pos < prompt_lens[:, None]
     rows = jnp.arange(s, dtype=jnp.int32)
@@ -561,9 +563,11 @@ def outputs(state: State, width: int) -> Outputs:
 
 def generate(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config,
              draft_weights: W.Weights | None = None, width: int | None = None) -> Outputs:
-    """prefill, then rounds until every row is done; ``width`` defaults to max_model_len - P."""
+    """prefill, then rounds until every row is done. ``width``: the output columns, by default
+    max_model_len - 1, what a one-token prompt may give (a narrower one cuts rows' tokens past
+    it; ``num_tokens`` still counts them)."""
     w, dw = _weights(weights, draft_weights, cfg)
     state = _prefill(w, dw, prompt_ids, prompt_lens, sampling, cfg)
     state = lax.while_loop(lambda st: jnp.any(~st.done), lambda st: _round(w, dw, st, cfg), state)
-    width = cfg.max_model_len - prompt_ids.shape[1] if width is None else C.integer("width", width, 0)
+    width = cfg.max_model_len - 1 if width is None else C.integer("width", width, 0)
     return outputs(state, width)

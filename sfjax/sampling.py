@@ -90,6 +90,9 @@ class Sampling(_Filters):
         """
         batch = integer("batch", batch, 1, optional=True)
         params = [params] * (batch or 1) if isinstance(params, SamplingParams) else list(params)
+        if batch is not None and len(params) != batch:
+            raise ValueError(f"batch: {batch} rows, but {len(params)} SamplingParams were given "
+                             f"(one per row, or one SamplingParams for all)")
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise InvalidType(f"params[{i}]: must be a SamplingParams, got {type(p).__name__}")

@@ -127,7 +127,9 @@ def test_tokens_and_counts_equal_llm_generate(pair, engine, method):
 def test_aot_compile_scan_over_calls_and_empty_rows(pair, engine):
     cfg = F.Config(pair["cfg"], MAX_LEN)
     batches = [_prompts(seed) for seed in (2, 3)]
-    params = _params(2)
+    # row 0 runs to the end of the context: more tokens than max_model_len - P, which the
+    # default width holds (it cut them silently)
+    params = [SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)] + _params(2)[1:]
     ids, lens = zip(*(F.pad_prompts(p, length=16) for p in batches))
     sp = F.Sampling.from_params(params, eos_token_ids=pair["cfg"].eos_token_ids)
 
@@ -144,6 +146,7 @@ def test_aot_compile_scan_over_calls_and_empty_rows(pair, engine):
     for prompts, tokens in zip(batches, got):
         ref = [o.outputs[0].token_ids for o in _engine(engine("plain"), prompts, params)]
         assert [t[t >= 0].tolist() for t in tokens] == ref
+        assert len(ref[0]) == MAX_LEN - len(prompts[0]) > MAX_LEN - 16
     # a batch bucket with an empty row: it stays done and empty, the others are unchanged
     ids3, lens3 = F.pad_prompts(batches[0][:3], length=16, batch=B)
     part = jax.device_get(compiled(pair["weights"], np.stack([ids3, ids[1]]), np.stack([lens3, lens[1]]), sp))
@@ -240,6 +243,23 @@ def test_prompt_rows_and_sampling_rows_must_agree(pair):
     F.Sampling.from_params(_params(0)[:1], eos_token_ids=jnp.array([2]))     # ids as an array
     assert jax.eval_shape(lambda w: F.generate(w, ids, lens, three, cfg, width=0),
                           pair["weights"]).token_ids.shape == (3, 0)
+
+
+def test_outside_jit_the_callers_table_is_kept_and_traced_prompt_lens_are_clipped(pair):
+    """An eager ``prefill`` copies the table it is given (its rounds donate their state: the
+    caller's arrays were deleted), and ``prompt_lens`` past P, traced where no check can raise,
+    are taken as P."""
+    cfg = F.Config(pair["cfg"], MAX_LEN)
+    ids, lens = F.pad_prompts(_prompts(0, 3))
+    table = jax.device_put(F.Sampling.from_params(_params(0)[:3], eos_token_ids=()))
+    first = F.prefill(pair["weights"], ids, lens, table, cfg)
+    again = F.prefill(pair["weights"], ids, lens, table, cfg)       # the same table, still there
+    assert not any(x.is_deleted() for x in jax.tree.leaves(table))
+    assert (first.progress.last == again.progress.last).all()
+    lengths = jax.jit(lambda n: F.prefill(pair["weights"], ids, n, table, cfg).progress.length)
+    assert (lengths(np.array([3, 40, 2], np.int32)) == lengths(np.array([3, 16, 2], np.int32))).all()
+    with pytest.raises(ValueError, match=r"^batch: 4 rows, but 3 SamplingParams were given"):
+        F.Sampling.from_params(_params(0)[:3], eos_token_ids=(), batch=4)
 
 
 def test_sampling_params_the_functional_path_cannot_honour_are_refused():
