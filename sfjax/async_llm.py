@@ -33,7 +33,8 @@ class EngineClosed(RuntimeError):
 
 
 class EngineStepFailed(RuntimeError):
-    """A step failed as a whole (not one request's fault): every live request ends with it."""
+    """A step failed as a whole (not one request's fault): every request the engine held ends
+    with it (those still being admitted go on)."""
 
 
 class _Stream:
@@ -46,7 +47,9 @@ class _Stream:
         self.pending: list[RequestOutput] = []
         self.event = asyncio.Event()
         self.error: BaseException | None = None
-        self.abandoned = False      # its consumer left before the finished output (``_abandon``)
+        # its consumer left before the finished output (``_abandon``), or a failed step ended it
+        # (``_step``): the engine's outputs for it are dropped, the id freed by the final one
+        self.abandoned = False
 
     def put(self, out: RequestOutput) -> None:
         self.pending.append(out)
@@ -127,7 +130,8 @@ class AsyncLLM:
         waiting = len(self._streams) - self.engine.config.max_num_seqs
         if self.max_waiting is not None and waiting >= self.max_waiting:
             raise EngineOverloaded(f"{waiting} requests are waiting (max_waiting is {self.max_waiting})")
-        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if request_id is None:       # never one a caller chose for a live request
+            request_id = next(i for i in map("async-{}".format, self._ids) if i not in self._streams)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already live")
         stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
@@ -142,7 +146,8 @@ class AsyncLLM:
                 finished = out.finished
                 yield out
         finally:
-            if finished:
+            refused = admitted.done() and not admitted.cancelled() and admitted.exception()
+            if finished or refused:     # refused: the engine never held the id
                 self._streams.pop(request_id, None)
             else:   # the id stays taken until the engine has let go of it (``_abandon``)
                 stream.abandoned = True
@@ -257,9 +262,12 @@ class AsyncLLM:
             outs = self.engine.step()
         except Exception as e:   # not one request's fault: every live request ends with it
             logger.exception("sfjax engine step failed")
-            for rid in list(self._streams):
-                self.engine.abort(rid)
-            self._fail_all(EngineStepFailed(f"engine step failed: {e}"))
+            error = EngineStepFailed(f"engine step failed: {e}")
+            for rid, stream in list(self._streams.items()):
+                if self.engine.holds(rid):      # not those whose add is still queued
+                    self.engine.abort(rid)
+                    stream.abandoned = True     # its consumer gets the error, not the abort's
+                    self._fail(stream, error)
             outs = []
         self._snapshot = self._take_snapshot()
         self._deliver(outs)
@@ -286,10 +294,14 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
-            try:
-                stream.loop.call_soon_threadsafe(stream.fail, error)
-            except RuntimeError:
-                pass
+            self._fail(stream, error)
+
+    @staticmethod
+    def _fail(stream: _Stream, error: BaseException) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.fail, error)
+        except RuntimeError:        # the caller's loop has closed
+            pass
 
     def _take_snapshot(self) -> dict:
         eng = self.engine

@@ -184,6 +184,70 @@ def test_a_reused_id_never_gets_the_last_requests_output(llm):
     engine.close()
 
 
+def test_ids_a_refusal_or_the_caller_chose_are_free(llm):
+    """A refused request leaves its id free at once (the engine never held it: a corrected retry
+    under the same id was refused as "already live" while the engine was busy), and the ids
+    made for requests without one never take an id a caller chose."""
+    slow = lambda outputs, snapshot: time.sleep(0.05)      # each step: the thread stays busy
+    engine = AsyncLLM.from_llm(llm, stat_loggers=[slow])
+
+    async def main():
+        busy = asyncio.ensure_future(_collect(engine, PROMPTS[0], _params(0, 40), "async-0"))
+        await _until(lambda: engine.engine.holds("async-0"))
+        out = await asyncio.wait_for(_collect(engine, PROMPTS[2], _params(2, 4), None), 60)
+        assert out.request_id == "async-1" and len(out.outputs[0].token_ids) == 4
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            await _collect(engine, PROMPTS[1], SamplingParams(stop_token_ids=[10**6]), "r")
+        out = await asyncio.wait_for(_collect(engine, PROMPTS[1], _params(1, 4), "r"), 60)
+        assert len(out.outputs[0].token_ids) == 4 and not busy.done()
+        assert len((await busy).outputs[0].token_ids) == 40
+
+    asyncio.run(main())
+    engine.close()
+
+
+def test_a_failed_step_ends_its_requests_with_the_error(llm, monkeypatch):
+    """A step that fails as a whole ends each request the engine held with EngineStepFailed,
+    after the outputs it had delivered; a consumer reading late got the abort's final output
+    instead, a truncated completion with no error. The engine serves the next requests alike."""
+    from sfjax.async_llm import EngineStepFailed
+    ref = llm.generate(PROMPTS[:2], [_params(0, 30), _params(1, 30)], use_tqdm=False)
+    engine = AsyncLLM.from_llm(llm)
+    collect, calls = llm.engine._collect, []
+
+    def failing(call):
+        calls.append(call)
+        if len(calls) == 3:
+            raise RuntimeError("injected device failure")
+        return collect(call)
+
+    monkeypatch.setattr(llm.engine, "_collect", failing)
+
+    async def late(prompt, params, rid):
+        g, ids = engine.generate(prompt, params, rid), []
+        ids += (await asyncio.wait_for(g.__anext__(), 60)).new_token_ids
+        await _until(lambda: len(calls) >= 3 and not llm.engine.holds(rid))   # failed, aborted
+        with pytest.raises(EngineStepFailed, match="injected device failure"):
+            async for out in g:
+                assert not out.finished
+                ids += out.new_token_ids
+        return ids
+
+    async def main():
+        got = await asyncio.wait_for(asyncio.gather(
+            late(PROMPTS[0], _params(0, 30), "a"), late(PROMPTS[1], _params(1, 30), "b")), 60)
+        for ids, r in zip(got, ref):
+            assert 0 < len(ids) < 30 and ids == r.outputs[0].token_ids[:len(ids)]
+        again = await asyncio.wait_for(asyncio.gather(
+            _collect(engine, PROMPTS[0], _params(0, 30), "a"),
+            _collect(engine, PROMPTS[1], _params(1, 30), "b")), 60)
+        assert [o.outputs[0].token_ids for o in again] == [r.outputs[0].token_ids for r in ref]
+        await _until(lambda: _idle(engine))
+
+    asyncio.run(main())
+    engine.close()
+
+
 def test_a_consumer_behind_its_outputs_sees_the_close(llm):
     """Outputs delivered but not yet read when the engine closes come out, then EngineClosed
     (the next read waited forever)."""
