@@ -364,11 +364,20 @@ def test_stop_strings(llm):
     (dict(prompt_logprobs=50), "prompt_logprobs"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(stop=["ok", ""]), "stop"), (dict(n=0), "n"), (dict(seed=-1), "seed"),
-    (dict(stop_token_ids=np.array([3, 4])), "stop_token_ids"),   # numpy's truth-value error
+    (dict(stop_token_ids=np.array([[3, 4]])), "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} .*must be"):
         SamplingParams(**kwargs)
+
+
+def test_token_id_lists_may_be_arrays():
+    """A 1-D integer array is a list of ids, as vLLM takes it; its entries are checked alike."""
+    p = SamplingParams(stop_token_ids=np.array([3, 4]), allowed_token_ids=np.arange(5, 8))
+    assert p.stop_token_ids == [3, 4] and p.allowed_token_ids == [5, 6, 7]
+    assert all(type(t) is int for t in p.stop_token_ids + p.allowed_token_ids)
+    with pytest.raises(ValueError, match=r"stop_token_ids\[0\]"):
+        SamplingParams(stop_token_ids=np.array([0.5]))
 
 
 @pytest.mark.parametrize("kwargs, field", [
