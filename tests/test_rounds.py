@@ -321,7 +321,7 @@ def test_host_lays_out_only_prefill_chunks(tiny_folder, folders, kind):
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 480 + 2 for j in range(5 + 5 * i)]}
                for i in range(4)]
     params = [dataclasses.replace(p, max_tokens=24) for p in _params()[:4]]
-    roomy = LLM(tiny_folder, **GEOMETRY, max_num_batched_tokens=64, num_scheduler_steps=1,
+    roomy = LLM(tiny_folder, **GEOMETRY, max_num_batched_tokens=64,
                 speculative_config=spec)
     want = _tokens_and_counts(roomy.generate(prompts, params, use_tqdm=False)) if spec else \
         [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
