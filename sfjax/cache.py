@@ -52,8 +52,3 @@ class KVCache:
         itemsize = jnp.dtype(dtype or cfg.jnp_dtype).itemsize
         heads = cfg.num_kv_heads // sharding.kv_shards(cfg, mesh)
         return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * itemsize
-
-
-def validate_block_size(block_size: int) -> None:
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")

@@ -20,7 +20,6 @@ from pallas_kernels.matmul import KERNELS
 from pallas_kernels.sampling import IMPLS as SAMPLER_IMPLS
 from sfjax import checks as C
 from sfjax import model, rows
-from sfjax.cache import validate_block_size
 from sfjax.config import ModelConfig, read_json
 from sfjax.round import RoundConfig
 from sfjax.spec import eagle
@@ -38,8 +37,9 @@ def check_settings(owner: str, *, block_size: int, row_tile: int, sampler: str, 
     (``RunConfig``, and the engine's ``EngineConfig`` before any model is read): a ValueError
     (TypeError for a wrong type) naming ``owner.field`` and what it allows."""
     f = lambda name: f"{owner}.{name}"
-    C.integer(f("block_size"), block_size, 1, MAX_BLOCK_SIZE)
-    validate_block_size(block_size)
+    allowed = f"a power of two in [1, {MAX_BLOCK_SIZE}]"
+    if C.integer(f("block_size"), block_size, 1, MAX_BLOCK_SIZE, allowed=allowed) & (block_size - 1):
+        raise ValueError(f"{f('block_size')} = {block_size} is out of range: must be {allowed}")
     C.integer(f("row_tile"), row_tile, 1, MAX_ROW_TILE)
     C.one_of(f("sampler"), sampler, SAMPLER_IMPLS)
     C.one_of(f("layer_loop"), layer_loop, model.LAYER_LOOPS)

@@ -243,6 +243,8 @@ def test_bad_request_ids(llm):
     (dict(speculative_config={}), ValueError, r"speculative_config\.method is required"),
     # upper bounds: past them numpy or XLA ran out of memory, naming nothing
     (dict(block_size=2**30), ValueError, r"EngineConfig\.block_size = 1073741824 is out of range"),
+    (dict(block_size=3), ValueError, r"EngineConfig\.block_size = 3 is out of range: must be a "
+                                     r"power of two in \[1, 4096\]"),
     (dict(row_tile=10**6), ValueError, r"EngineConfig\.row_tile = 1000000 is out of range"),
     (dict(max_num_seqs=10**9), ValueError, r"EngineConfig\.max_num_seqs = 1000000000 is out of"),
     (dict(tokenizer=123), ValueError, r"tokenizer = 123: must be a folder"),
@@ -278,6 +280,17 @@ def test_a_head_folder_given_as_a_draft_model_is_named(tiny_folder):
                                          r"architecture \['LlamaForCausalLMEagle3'\]"):
         LLM(tiny_folder, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
                                              "model": default_eagle_path()})
+
+
+def test_a_request_the_cache_can_never_hold_names_what_to_change(tiny_folder):
+    llm = LLM(tiny_folder, num_kv_blocks=4, block_size=8, max_model_len=64, small_row_tiles=False)
+    for params, match in ((SamplingParams(max_tokens=30), r"max_tokens \(30\) needs 4 KV blocks"),
+                          (SamplingParams(max_tokens=None), r"max_tokens \(62, the room left under "
+                                                            r"max_model_len\) needs 8 KV blocks")):
+        with pytest.raises(ValueError, match=r"^prompt 0: prompt \(2 tokens\) \+ " + match + r"; the cache "
+                           r"has only 3 \(raise num_kv_blocks or kv_cache_bytes, or ask for fewer"):
+            llm.generate({"prompt_token_ids": [5, 6]}, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_the_token_budget_defaults_to_at_least_the_slots():

@@ -221,8 +221,11 @@ class Engine:
         blocks = self.scheduler.blocks_needed(len(ids) + max_tokens)
         if blocks > self.config.num_kv_blocks // self.dp - 1:
             where = "the cache" if self.dp == 1 else "each data shard's cache"
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {blocks} "
-                             f"KV blocks; {where} has only {self.config.num_kv_blocks // self.dp - 1}")
+            how = "" if params.max_tokens is not None else ", the room left under max_model_len"
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}{how}) needs "
+                             f"{blocks} KV blocks; {where} has only "
+                             f"{self.config.num_kv_blocks // self.dp - 1} (raise num_kv_blocks or "
+                             f"kv_cache_bytes, or ask for fewer tokens)")
         slot = self._strategy_slot(params)
         arrival, self._arrivals = self._arrivals, self._arrivals + 1
         seed = params.seed
