@@ -91,7 +91,7 @@ def int_list(field: str, value: Any, lo: int | None = None, hi: int | None = Non
              allowed: str | None = None) -> list[int]:
     """A list (or tuple, or 1-D array) of ints in [lo, hi]."""
     if getattr(value, "ndim", None) == 1 and hasattr(value, "tolist"):   # numpy's, jax's
-        value = list(value)
+        value = value.tolist()
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple)):
         raise _bad_type(field, value, "a list of ints")
     return [integer(f"{field}[{i}]", v, lo, hi, allowed=allowed) for i, v in enumerate(value)]
