@@ -93,6 +93,7 @@ class AsyncLLM:
         self._cv = threading.Condition()
         self._stopping = False
         self._accepting = True
+        self._shutting_down: asyncio.Future | None = None
         self._admitting: set[concurrent.futures.Future] = set()    # adds queued, not yet run
         self._ids = itertools.count()
         self._snapshot = self._take_snapshot()
@@ -162,7 +163,12 @@ class AsyncLLM:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Takes no new request, lets the live ones finish for up to ``timeout`` seconds, aborts
-        the rest, and stops the engine thread."""
+        the rest, and stops the engine thread. A call while one runs waits for that one."""
+        if self._shutting_down is None:
+            self._shutting_down = asyncio.ensure_future(self._shutdown(timeout))
+        await asyncio.shield(self._shutting_down)
+
+    async def _shutdown(self, timeout: float) -> None:
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline:

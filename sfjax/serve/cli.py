@@ -7,6 +7,7 @@ quick.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
@@ -23,7 +24,7 @@ _SERVE_OPTIONS = (     # flag, type, default, help
     ("--max-waiting", int, 512,
      "requests admitted beyond --max-num-seqs; more get 503 (retry later)"),
     ("--shutdown-timeout", float, 10.0,
-     "on SIGTERM: seconds live requests may take to finish before they are aborted"),
+     "on SIGTERM: seconds live requests may take to finish before they end with finish_reason 'abort'"),
 )
 
 
@@ -66,15 +67,31 @@ def add_bench_args(b: argparse.ArgumentParser, offline) -> None:
     b.set_defaults(run=run)
 
 
+# seconds uvicorn waits, past --shutdown-timeout, for the aborted requests' last chunks to go out
+# before it cancels their handlers
+ABORT_GRACE = 5.0
+
+
 class _Server:
     """uvicorn's server, exiting 0 after a SIGTERM / SIGINT: uvicorn re-raises the signal once it
-    has shut down, which would end the process with the signal's status instead."""
+    has shut down, which would end the process with the signal's status instead. Its shutdown
+    drains the engine (``drain``: live requests finish for --shutdown-timeout, then end with
+    finish_reason "abort") while uvicorn waits for the connections, so each client gets its last
+    chunk; uvicorn alone cancelled the handlers at its deadline (a plain-text 500, or a stream
+    cut without [DONE]) and drained the engine only after that."""
 
     @staticmethod
-    def make(config):
+    def make(config, drain):
         import uvicorn
 
         class Server(uvicorn.Server):
+            async def shutdown(self, sockets=None):
+                draining = asyncio.ensure_future(drain())
+                try:
+                    await super().shutdown(sockets)
+                finally:
+                    await draining
+
             @contextlib.contextmanager
             def capture_signals(self):
                 if threading.current_thread() is not threading.main_thread():
@@ -126,9 +143,9 @@ def run_serve(args) -> int:
     app = build_app(engine, name, llm.model_path, metrics, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log,
-                            timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)))
+                            timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE)
     try:
-        _Server.make(config).run()
+        _Server.make(config, lambda: engine.shutdown(args.shutdown_timeout)).run()
     finally:
         engine.close()
     logger.info("sfjax serve: stopped")
