@@ -4,6 +4,7 @@ server's chat completions and ``/tokenize``)."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 
 from sfjax.config import read_json
@@ -69,20 +70,33 @@ def _variables(variables, apply) -> dict:
     return variables
 
 
+# what a message may carry beside role and content, given to the template as vLLM gives it
+PASSED = ("name", "tool_call_id", "tool_calls", "reasoning_content", "reasoning")
+
+
 def _message(m, i: int) -> dict:
-    """A message with its content as one string (its non-empty text parts joined by newlines,
-    as vLLM joins them for templates that take a string)."""
+    """A message as the template gets it: its content as one string (its non-empty text parts
+    joined by newlines, as vLLM joins them for templates that take a string; None beside
+    tool_calls is ""), and the fields of ``PASSED`` it has, each tool call's arguments as a
+    dict (JSON text decoded, as vLLM does). Fields that are None are left out; any other field
+    is refused naming it (dropping it would change the prompt without a word)."""
     if not isinstance(m, dict):
         raise ValueError(f"messages[{i}]: must be a dict with 'role' and 'content', got "
                          f"{type(m).__name__}")
     role, content = m.get("role"), m.get("content")
     if role not in ROLES:
         raise ValueError(f"messages[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
+    other = sorted(k for k, v in m.items() if v is not None and k not in ("role", "content", *PASSED))
+    if other:
+        raise ValueError(f"messages[{i}].{other[0]}: not offered (a message takes role, content, "
+                         f"{', '.join(PASSED)})")
     if isinstance(content, list):
         if any(not isinstance(p, dict) or p.get("type") != "text"
                or not isinstance(p.get("text", ""), str) for p in content):
             raise ValueError(f"messages[{i}].content: only text parts (each a str) are offered")
         content = "\n".join(p["text"] for p in content if p.get("text"))
+    if content is None and m.get("tool_calls"):
+        content = ""
     if not isinstance(content, str):
         raise ValueError(f"messages[{i}].content must be a string or text parts")
     try:
@@ -90,4 +104,30 @@ def _message(m, i: int) -> dict:
     except UnicodeEncodeError as e:
         raise ValueError(f"messages[{i}].content is not valid text: must be valid UTF-8 "
                          f"({e.reason} at position {e.start})") from None
-    return {"role": role, "content": content}
+    out = {"role": role, "content": content}
+    for k in PASSED:
+        if m.get(k) is not None:
+            out[k] = _tool_calls(m[k], i) if k == "tool_calls" else m[k]
+            if k != "tool_calls" and not isinstance(out[k], str):
+                raise ValueError(f"messages[{i}].{k} must be a string")
+    return out
+
+
+def _tool_calls(calls, i: int) -> list:
+    """An assistant message's tool calls, each a copy whose function arguments are a dict."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise ValueError(f"messages[{i}].tool_calls must be a list of tool call objects")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}].function must be an object with a name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments: not JSON "
+                                 f"({e.msg} at position {e.pos})") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out

@@ -357,6 +357,44 @@ def test_a_chat_template_in_chat_template_jinja_serves_chat(tiny_folder, tmp_pat
         llm.chat([{"role": "user", "content": "\ud800"}])
 
 
+def test_a_messages_name_and_tool_fields_reach_the_template(tiny_folder, tmp_path):
+    """name, tool_call_id and tool_calls (their JSON arguments as dicts) reach the template as
+    vLLM passes them (they were dropped: another prompt, no error); fields that are None (an
+    SDK's message echoed back) are left out, and any other field is refused naming it."""
+    import json
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from sfjax.chat import ChatTemplate
+
+    folder = shutil.copytree(tiny_folder, tmp_path / "m")
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}"
+        "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments.x }})]"
+        "{% endfor %}{% endfor %}")
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 7}'}}
+    messages = [{"role": "user", "name": "alice", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    got = ChatTemplate(str(folder)).render(messages, add_generation_prompt=False)
+    assert got == "<user name=alice>hi<assistant>[f(7)]<tool id=call_1>42"
+    as_vllm = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "f", "arguments": {"x": 7}}}]}, messages[2]]
+    assert got == PreTrainedTokenizerFast.from_pretrained(str(folder)).apply_chat_template(
+        as_vllm, tokenize=False)
+    assert json.loads(call["function"]["arguments"]) == {"x": 7}       # the caller's, unchanged
+    for bad, match in (({"role": "user", "content": "x", "weight": 2}, r"messages\[0\]\.weight: "
+                        r"not offered \(a message takes role, content, name, tool_call_id"),
+                       ({"role": "assistant", "content": None, "tool_calls": [
+                           {"function": {"name": "f", "arguments": "{x"}}]},
+                        r"messages\[0\]\.tool_calls\[0\]\.function\.arguments: not JSON"),
+                       ({"role": "user", "content": "x", "name": 3}, r"messages\[0\]\.name must be")):
+        with pytest.raises(ValueError, match=match):
+            ChatTemplate(str(folder)).render([bad])
+
+
 BAD_PROMPT = "raise Failure"
 
 
