@@ -181,8 +181,10 @@ def _bench(args) -> int:
     return 0
 
 
-# carried over as they are: the tokenizer, the generation config, and an n-gram draft table
+# carried over as they are: the tokenizer (fast, or a slow one's files), the generation config,
+# and an n-gram draft table
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                  "chat_template.jinja", "generation_config.json", "ngram_table.safetensors")
 
 

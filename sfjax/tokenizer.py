@@ -23,9 +23,13 @@ def load_tokenizer(path: str) -> Tokenizer:
             raise ValueError(f"model folder: cannot read {file}: {e}") from None
     try:
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path).backend_tokenizer
+        tok = AutoTokenizer.from_pretrained(path).backend_tokenizer
     except Exception as e:
         raise ValueError(f"model folder: no usable tokenizer in {path} ({e})") from None
+    if not tok.get_vocab_size(with_added_tokens=False):   # transformers makes an empty one
+        raise ValueError(f"model folder: no tokenizer in {path} (tokenizer.json, or a slow "
+                         f"tokenizer's files: vocab.json and merges.txt, or tokenizer.model)")
+    return tok
 
 
 def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

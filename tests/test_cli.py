@@ -143,6 +143,33 @@ def test_convert_to_orbax_and_back(tiny_folder, tmp_path, capsys):
     assert "exists and is not empty" in capsys.readouterr().err
 
 
+def test_convert_carries_a_slow_tokenizers_files(tiny_folder, tmp_path):
+    """A folder whose tokenizer is a slow one's files (vocab.json + merges.txt, no
+    tokenizer.json) converts to an export with them (it had none, and the empty tokenizer
+    transformers then makes gave every prompt no tokens); a folder with no tokenizer at all is
+    refused naming what it lacks."""
+    import json
+    import shutil
+
+    from sfjax.tokenizer import encode, load_tokenizer
+
+    slow = shutil.copytree(tiny_folder, tmp_path / "slow")
+    model = json.loads((slow / "tokenizer.json").read_text())["model"]
+    (slow / "vocab.json").write_text(json.dumps(model["vocab"]))
+    (slow / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in model["merges"]))
+    (slow / "tokenizer.json").unlink()
+    config = json.loads((slow / "tokenizer_config.json").read_text())
+    (slow / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    want = encode(load_tokenizer(str(slow)), "def fib(n): return n")
+    assert len(want) > 3
+    assert main(["convert", str(slow), str(tmp_path / "ckpt")]) == 0
+    assert encode(load_tokenizer(str(tmp_path / "ckpt")), "def fib(n): return n") == want
+    for name in ("vocab.json", "merges.txt"):
+        (slow / name).unlink()
+    with pytest.raises(ValueError, match=r"no tokenizer in .* \(tokenizer.json, or a slow tokenizer's"):
+        load_tokenizer(str(slow))
+
+
 def test_convert_round_trips_qwen_biases_and_head_norms_and_reads_checkpoints_without_them(
         model_folder, tmp_path):
     """A Qwen2 export keeps its q/k/v biases, a Qwen3 export its head norms; an export of a
