@@ -264,6 +264,13 @@ def _common(p: argparse.ArgumentParser, requests: bool = True) -> None:
         p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def engine_flags() -> dict[str, tuple[str, object]]:
+    """The engine's flags (``_common``'s without the requests'): flag -> (dest, default)."""
+    p = argparse.ArgumentParser(add_help=False)
+    _common(p, requests=False)
+    return {a.option_strings[0]: (a.dest, a.default) for a in p._actions}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sfjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -542,6 +542,24 @@ def test_200_concurrent_streams(server, offline):
     print(f"200 streams in {elapsed:.1f} s, {200 - len(completed)} cancelled")
 
 
+def test_bench_drives_the_server_and_names_its_failures(server, capsys):
+    """``sfjax bench --base-url`` against the running server: every request's tokens counted;
+    when the server refuses them all, exit 2 with the server's reason (it printed throughput
+    over failed prompts and exited 0); engine flags, which build nothing without
+    --compare-offline, are refused naming the flag."""
+    from sfjax.cli import main
+    base = ["bench", "--base-url", server.url, "--num-prompts", "4", "--input-len", "8",
+            "--output-len", "8", "--repeats", "1"]
+    assert main(base + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["server"]
+    assert r["failed"] == 0 and r["output_tokens"] == 32 and r["input_tokens"] == 32
+    for extra, message in ((["--input-len", "300"], "--base-url: all 4 requests failed; the first: "
+                            "400: prompt has 300 tokens; max_model_len is 128"),
+                           (["--block-size", "32"], "--block-size: an engine flag")):
+        assert main(base + extra) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_sigterm_while_streaming(server):
     """Last: SIGTERM with more work in flight than --shutdown-timeout (1 s) lets finish: every
     request ends as OpenAI's clients expect, each stream with a last chunk ("length", or "abort"

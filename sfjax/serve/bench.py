@@ -20,19 +20,28 @@ import numpy as np
 from sfjax import benchmark as B
 
 
-async def _one(client, ids: list[int], max_tokens: int, sampling: dict) -> dict | None:
+def _error(status: int, body: str) -> str:
+    """A failed request's reason: the server's error message, else its status and body."""
+    try:
+        return f"{status}: {json.loads(body)['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"{status}: {body[:200]}"
+
+
+async def _one(client, ids: list[int], max_tokens: int, sampling: dict) -> dict:
+    """A request's chunk times and tokens, or its ``error``."""
     body = {"prompt": ids, "max_tokens": max_tokens, **sampling,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     start, times, tokens = time.monotonic(), [], []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return None
+            return {"error": _error(r.status_code, (await r.aread()).decode(errors="replace"))}
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                return None
+                return {"error": _error(200, json.dumps(chunk))}
             new = [t for c in chunk["choices"] for t in c.get("token_ids") or []]
             if new:
                 times.append(time.monotonic())
@@ -62,14 +71,18 @@ async def _http_pass(base_url: str, work: B.Workload, args) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.monotonic() - t0
         after = _spec_counters((await client.get("/metrics")).text)
-    ok = [r for r in results if r is not None and r["tokens"]]
-    ttft = [r["times"][0] - r["start"] for r in ok]
-    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["tokens"]) - 1) for r in ok if len(r["tokens"]) > 1]
-    itl = [g for r in ok for g in np.diff(r["times"])]
-    return {"duration": duration, "tokens": [r["tokens"] for r in ok], "ttft": ttft, "tpot": tpot,
-            "itl": itl, "input_tokens": sum(map(len, work.prompt_ids)),
-            "output_tokens": sum(len(r["tokens"]) for r in ok), "failed": len(results) - len(ok),
-            "spec": _spec_delta(before, after)}
+    ok = [i for i, r in enumerate(results) if "error" not in r and r["tokens"]]
+    errors = [r.get("error", "no tokens") for r in results if "error" in r or not r["tokens"]]
+    if not ok:        # nothing to time: no figure at all, rather than one over no requests
+        raise ValueError(f"--base-url: all {len(results)} requests failed; the first: {errors[0]}")
+    res = [results[i] for i in ok]
+    ttft = [r["times"][0] - r["start"] for r in res]
+    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["tokens"]) - 1) for r in res if len(r["tokens"]) > 1]
+    itl = [g for r in res for g in np.diff(r["times"])]
+    return {"duration": duration, "tokens": [r["tokens"] for r in res], "ttft": ttft, "tpot": tpot,
+            "itl": itl, "input_tokens": sum(len(work.prompt_ids[i]) for i in ok),
+            "output_tokens": sum(len(r["tokens"]) for r in res), "failed": len(errors),
+            "first_error": errors[0] if errors else None, "spec": _spec_delta(before, after)}
 
 
 def _spec_counters(text: str) -> dict | None:
@@ -157,6 +170,12 @@ def _check(args) -> None:
                          "server with an engine built here)")
     B.check_args(args, offline=False)      # the workload's flags: the offline path's rule
     SamplingParams(**_sampling(args))      # a bad value is refused before any request
+    if not args.compare_offline:           # the server runs its own engine
+        from sfjax.cli import engine_flags
+        for flag, (dest, default) in engine_flags().items():
+            if flag != "--seed" and getattr(args, dest) != default:    # --seed: the requests'
+                raise ValueError(f"{flag}: an engine flag; with --base-url the server's engine "
+                                 f"runs (engine flags build one here only for --compare-offline)")
 
 
 def main(args) -> int:
@@ -196,6 +215,7 @@ def main(args) -> int:
     print(B.report(s, f"Serving Benchmark Result (HTTP, concurrency {conc})"))
     if s["failed"]:
         print(f"{'Failed requests:':<40}{s['failed']:<10}")
+        print(f"{'First failure:':<40}{s['first_error']}")
     if "offline" in best:
         o = best["offline"]
         print(B.report(o, f"Offline engine (concurrency {conc})"))
