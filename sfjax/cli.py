@@ -87,7 +87,9 @@ def _generate(args) -> int:
         print(json.dumps({
             "model": _model_name(args), "speculation": _method(llm),
             "timings": {"load_s": load_s, "compile_s": compile_s, "generate_s": gen_s,
-                        "output_tokens": n, "output_tokens_per_s": n / max(gen_s, 1e-9)},
+                        "output_tokens": n, "output_tokens_per_s": n / max(gen_s, 1e-9),
+                        # without --precompile, generate_s holds the compiles it met
+                        "generate_includes_compile": compile_s is None},
             "spec_decode": None if spec is None else {
                 k: spec[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
                                      "acceptance_rate", "mean_acceptance_length")},

@@ -18,6 +18,7 @@ def test_generate_json_with_speculation(tiny_folder, capsys):
     assert result["model"] == tiny_folder and result["speculation"].startswith("ngram (k = 3")
     t = result["timings"]
     assert t["output_tokens"] == 12 and t["generate_s"] > 0 and t["load_s"] > 0
+    assert t["compile_s"] is None and t["generate_includes_compile"] is True
     spec = result["spec_decode"]
     assert spec["num_draft_tokens"] == sum(o["spec_decode"]["num_draft_tokens"] for o in out)
     assert 0 <= spec["acceptance_rate"] <= 1
