@@ -131,6 +131,10 @@ class LLM:
         self._next_id = 0
 
     def get_tokenizer(self):
+        """The model's ``tokenizers.Tokenizer`` (Hugging Face's fast tokenizer itself, not
+        vLLM's transformers wrapper: ``encode(text).ids`` gives the ids;
+        ``transformers.PreTrainedTokenizerFast(tokenizer_object=...)`` wraps it where code
+        wants ``apply_chat_template`` or ``eos_token_id``; ``LLM.chat`` renders chats)."""
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
