@@ -239,7 +239,8 @@ def test_other_bad_requests_get_400(client, server):
     cases = [
         (lambda: client.completions.create(model="no-such-model", prompt="x"), "model"),
         (lambda: client.completions.create(model=MODEL, prompt="def f():\n" * 200), "prompt"),
-        (lambda: client.completions.create(model=MODEL, prompt=["a", "b"]), "prompt"),
+        (lambda: client.completions.create(model=MODEL, prompt=["a", "def f():\n" * 200]),
+         "prompt"),                                    # the batch's second prompt is too long
         (lambda: client.completions.create(model=MODEL, prompt="x", stream=True,
                                            temperature=-1), "temperature"),
         (lambda: client.chat.completions.create(model=MODEL, messages=[]), "messages"),
@@ -348,23 +349,25 @@ def test_vllm_fields_are_honoured_and_nulls_are_defaults(client, server, offline
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_n_choices_are_vllms_parallel_sampling(client, server, offline, stream):
-    """n > 1: choice i is the offline request seeded seed + i (vLLM's parallel sampling), whole
-    or streamed (each choice's chunks carry its index), usage counts every choice's tokens; a
-    refusal admits none of them."""
+    """n > 1 and a batch of prompts (OpenAI's list): prompt k's choice i, at index 3k + i, is
+    the offline request seeded seed + i (vLLM's parallel sampling), whole or streamed (each
+    choice's chunks carry its index); usage counts each prompt once and every choice's tokens;
+    a refusal admits none of them. (A batch was refused: "send one prompt per request".)"""
     kw = dict(temperature=0.9, seed=21, max_tokens=12)
-    want = [offline.generate("def fib(n):", _sampling({**kw, "seed": 21 + i}),
-                             use_tqdm=False)[0].outputs[0] for i in range(3)]
-    assert len({tuple(w.token_ids) for w in want}) > 1
+    prompts = ["def fib(n):", "class Cache:"]
+    ref = [offline.generate(p, _sampling({**kw, "seed": 21 + i}), use_tqdm=False)[0]
+           for p in prompts for i in range(3)]
+    want = [o.outputs[0] for o in ref]
+    assert len({tuple(w.token_ids) for w in want}) > 3
     extra = {"return_token_ids": True}
     if not stream:
-        r = client.completions.create(model=MODEL, prompt="def fib(n):", n=3, extra_body=extra,
-                                      **kw)
+        r = client.completions.create(model=MODEL, prompt=prompts, n=3, extra_body=extra, **kw)
         got = [(c.index, c.text, c.model_extra["token_ids"]) for c in r.choices]
         usage = r.usage
         assert all(c.model_extra["sfjax"]["certificate"] for c in r.choices)   # each its own
     else:
-        got, usage = {i: [i, "", []] for i in range(3)}, None
-        for chunk in client.completions.create(model=MODEL, prompt="def fib(n):", n=3,
+        got, usage = {i: [i, "", []] for i in range(6)}, None
+        for chunk in client.completions.create(model=MODEL, prompt=prompts, n=3,
                                                stream=True, extra_body=extra,
                                                stream_options={"include_usage": True}, **kw):
             for c in chunk.choices:
@@ -374,6 +377,7 @@ def test_n_choices_are_vllms_parallel_sampling(client, server, offline, stream):
         got = [tuple(v) for v in got.values()]
     assert got == [(i, w.text, w.token_ids) for i, w in enumerate(want)]
     assert usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    assert usage.prompt_tokens == len(ref[0].prompt_token_ids) + len(ref[3].prompt_token_ids)
     chat = client.chat.completions.create(model=MODEL, n=2, messages=[
         {"role": "user", "content": "hi"}], temperature=0.9, seed=5, max_tokens=4, stream=stream)
     if stream:

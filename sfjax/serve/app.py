@@ -108,19 +108,26 @@ class Server:
             raise APIError(f"model {name!r} is not served here; this server serves "
                            f"{self.model_name!r}", "model", code="model_not_found")
 
-    async def start(self, prompt, params, request_id: str, renames: dict) -> list[tuple]:
-        """Admits the request's ``n`` sequences (vLLM's parallel sampling: ids "i_<id>", child i
-        seeded seed + i, ``SamplingParams.children``), all together, and waits for each one's
-        first output: [(first output, its generator)]. A refusal of any aborts them all."""
-        children = params.children()
-        if len(children) == 1:
-            return [await self._start_one(prompt, params, request_id, renames)]
+    async def start(self, prompts: list[tuple], request_id: str, renames: dict) -> list[tuple]:
+        """Admits the sequences of the request's ``prompts`` [(prompt, params)] (vLLM's ids:
+        "<id>-k" the k-th of a batch, "i_<id>" its i-th of ``n`` (parallel sampling: child i
+        seeded seed + i, ``SamplingParams.children``)), all together, and waits for each one's
+        first output: [(first output, its generator)], prompt by prompt. A refusal of any aborts
+        them all."""
+        rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
+        seqs = [(prompt, child, rid if params.n == 1 else f"{i}_{rid}")
+                for (prompt, params), rid in zip(prompts, rids)
+                for i, child in enumerate(params.children())]
+        if len(seqs) == 1:
+            return [await self._start_one(*seqs[0], renames)]
         held = self.engine.engine.config.max_num_seqs + (self.engine.max_waiting or 0)
-        if self.engine.max_waiting is not None and len(children) > held:
-            raise APIError(f"n = {len(children)} is more than this server holds at once "
-                           f"({held}: max_num_seqs and --max-waiting)", "n")
-        tasks = [asyncio.ensure_future(self._start_one(prompt, child, f"{i}_{request_id}", renames))
-                 for i, child in enumerate(children)]       # admitted together, as vLLM does
+        if self.engine.max_waiting is not None and len(seqs) > held:
+            field = "n" if len(prompts) == 1 else "prompt"
+            raise APIError(f"{len(prompts)} prompts x n = {prompts[0][1].n}: {len(seqs)} "
+                           f"sequences, more than this server holds at once ({held}: "
+                           f"max_num_seqs and --max-waiting)", field)
+        tasks = [asyncio.ensure_future(self._start_one(*seq, renames))
+                 for seq in seqs]                           # admitted together, as vLLM does
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -152,17 +159,19 @@ class Server:
 
     async def completions(self, req: P.CompletionRequest, raw: Request):
         self.check_model(req.model)
-        prompt = P.completion_prompt(req)
-        if isinstance(prompt, str):      # counted here for max_tokens; the engine checks it
-            try:
-                prompt = {"prompt": prompt, "prompt_token_ids": await self._encode(
-                    prompt, req.add_special_tokens)}
-            except Exception:
-                pass
-        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        params = P.completion_params(req, self.defaults, self._room(ids))
+        prompts = []
+        for prompt in P.completion_prompts(req):
+            if isinstance(prompt, str):      # counted here for max_tokens; the engine checks it
+                try:
+                    prompt = {"prompt": prompt, "prompt_token_ids": await self._encode(
+                        prompt, req.add_special_tokens)}
+                except Exception:
+                    pass
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            prompts.append((prompt, P.completion_params(req, self.defaults, self._room(ids))))
+        params = prompts[0][1]          # the prompts' params differ in max_tokens alone
         rid = f"cmpl-{uuid.uuid4().hex}"
-        started = await _unless_disconnected(raw, self.start(prompt, params, rid, {}))
+        started = await _unless_disconnected(raw, self.start(prompts, rid, {}))
         if req.stream:
             return _sse(self._completion_chunks(req, params, rid, started))
         return await self._whole(req, raw, rid, "text_completion", started, lambda c: {
@@ -192,7 +201,7 @@ class Server:
             if len(outs) > 1:
                 choices[-1]["sfjax"] = P.sfjax_info(out)
         body = {**P.envelope(kind, rid, self.model_name), "choices": choices,
-                "usage": P.usage(outs), "sfjax": P.sfjax_info(outs[0])}
+                "usage": P.usage(outs, n=req.n), "sfjax": P.sfjax_info(outs[0])}
         return JSONResponse(body, headers=_certificate_header(outs[0]))
 
     def _completion_chunks(self, req, params, rid, started) -> AsyncIterator[dict]:
@@ -235,7 +244,7 @@ class Server:
         params = P.chat_params(req, self.defaults, self._room(prompt["prompt_token_ids"]))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         started = await _unless_disconnected(
-            raw, self.start(prompt, params, rid, P.chat_renames(req)))
+            raw, self.start([(prompt, params)], rid, P.chat_renames(req)))
         top = req.top_logprobs or 0
         if req.stream:
             return _sse(self._chat_chunks(req, params, rid, started, top))
@@ -348,7 +357,7 @@ async def _chunks(req, params, started, head, choice, opening: dict | None = Non
             if "error" in c:
                 return
     if include_usage:
-        yield {**head(), "choices": [], "usage": P.usage(lasts)}
+        yield {**head(), "choices": [], "usage": P.usage(lasts, n=params.n)}
 
 
 async def _merged(streams: list) -> AsyncIterator:

@@ -231,17 +231,12 @@ def chat_renames(req: ChatCompletionRequest) -> dict[str, str]:
     return {"max_tokens": field, "prompt": "messages"}
 
 
-def completion_prompt(req: CompletionRequest) -> str | dict:
-    """One prompt: a str or token ids (a batch of one is unwrapped; larger batches are refused)."""
+def completion_prompts(req: CompletionRequest) -> list[str | dict]:
+    """The request's prompts, each a str or token ids: one, or a batch (a list of them, as
+    OpenAI's and vLLM's completions take, each prompt's choices after the last one's)."""
     p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise APIError(f"prompt: a batch of {len(p)} prompts; send one prompt per request",
-                           "prompt")
-        p = p[0]
-    if isinstance(p, list):
-        return {"prompt_token_ids": p}
-    return p
+    batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+    return [{"prompt_token_ids": q} if isinstance(q, list) else q for q in batch]
 
 
 # -- outputs to responses ------------------------------------------------------------------------
@@ -286,10 +281,11 @@ def chat_logprobs(entries: list[dict], top: int, as_ids: bool = False) -> dict:
     return {"content": content}
 
 
-def usage(outs: list, n_out: int | None = None) -> dict:
-    """OpenAI's usage of a request's sequences' outputs ``outs`` (one prompt, the output tokens
-    of them all): ``n_out`` output tokens if given, else theirs."""
-    n_in = len(outs[0].prompt_token_ids)
+def usage(outs: list, n_out: int | None = None, n: int = 1) -> dict:
+    """OpenAI's usage of a request's sequences' outputs ``outs``, ``n`` a prompt (each prompt
+    counted once, the output tokens of them all): ``n_out`` output tokens if given, else
+    theirs."""
+    n_in = sum(len(o.prompt_token_ids) for o in outs[::n])
     if n_out is None:
         n_out = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
