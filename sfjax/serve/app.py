@@ -106,7 +106,7 @@ class Server:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(f"model {name!r} is not served here; this server serves "
-                           f"{self.model_name!r}", "model", code="model_not_found")
+                           f"{self.model_name!r}", "model", status=404, code="model_not_found")
 
     async def start(self, prompts: list[tuple], request_id: str, renames: dict) -> list[tuple]:
         """Admits the sequences of the request's ``prompts`` [(prompt, params)] (vLLM's ids:
