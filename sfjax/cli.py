@@ -63,8 +63,11 @@ def _acceptance(llm) -> str:
 def _generate(args) -> int:
     prompts = list(args.prompts)
     if args.file:
-        with open(args.file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.file) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--file {args.file}: {e.strerror if isinstance(e, OSError) else e}") from None
     if not prompts:
         raise ValueError("no prompts: give them as arguments or with --file")
     from sfjax import checks

@@ -76,7 +76,7 @@ def test_bench_json_reports_acceptance(tiny_folder, capsys):
     (["generate", "x", "--max-num-seqs", "0"], "EngineConfig.max_num_seqs = 0 is out of range"),
     (["generate", "x", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2.5}'],
      "speculative_config.num_speculative_tokens = 2.5 has type float"),
-    (["generate", "x", "--file", "/nonexistent/prompts.txt"], "No such file"),
+    (["generate", "x", "--file", "/nonexistent/prompts.txt"], "--file /nonexistent/prompts.txt: No such file"),
     (["generate", "x", "--speculative-config", "[1]"], "must be a JSON object"),
     (["generate"], "no prompts"),
     (["generate", "x", "--compiler-options", "{bad"], "--compiler-options is not valid JSON"),
