@@ -345,6 +345,22 @@ def test_stop_strings(llm):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop,
                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert out.text == base.text[:cut + len(stop)]
+    # a stop string across each token boundary: every output's text, step by step, is the start
+    # of the final one (the engine holds back what a stop string may still cut, as vLLM does;
+    # a stream's text shrank where a call ended between a stop string's characters)
+    pieces = [llm.get_tokenizer().decode(base.token_ids[:j]) for j in range(25)]
+    stops = {f"b{j}": pieces[j][-1] + pieces[j + 1][len(pieces[j])] for j in range(1, 23)
+             if len(pieces[j + 1]) > len(pieces[j]) > 0}
+    texts = {rid: [] for rid in stops}
+    for rid, st in stops.items():
+        llm.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                           ignore_eos=True, stop=[st]))
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            texts[o.request_id].append(o.outputs[0].text)
+    assert len(stops) > 10 and all(t[-1] == base.text[:base.text.index(stops[rid])]
+                                   for rid, t in texts.items())
+    assert all(b.startswith(a) for t in texts.values() for a, b in zip(t, t[1:])), texts
     # min_tokens: as in vLLM, a stop string counts where a token past min_tokens completes it
     decode = llm.get_tokenizer().decode
     k = next(n for n in range(1, 25) if stop in decode(base.token_ids[:n]))   # completes it

@@ -88,10 +88,20 @@ class OutputProcessor:
     def piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
+    @staticmethod
+    def text(req: Request) -> str:
+        """The request's text as an output gives it: while a stop string may still cut it, the
+        last (longest stop - 1) characters held back (vLLM's rule), so what a stream has given
+        is always the start of the final text."""
+        p, text = req.params, req.detok.text
+        if req.status is Status.FINISHED or not p.stop or p.include_stop_str_in_output:
+            return text
+        return text[:max(0, len(text) - (max(map(len, p.stop)) - 1))]
+
     def output(self, req: Request, new_token_ids=()) -> RequestOutput:
         wants = req.params.logprobs is not None
         completion = CompletionOutput(
-            index=0, text=req.detok.text, token_ids=list(req.output_token_ids),
+            index=0, text=self.text(req), token_ids=list(req.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if wants else None,
             logprobs=list(req.logprobs) if wants else None,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason)

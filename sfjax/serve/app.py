@@ -29,12 +29,10 @@ from sfjax.tokenizer import encode
 
 
 class Delta:
-    """What one stream has sent of its request. While stop strings may still cut the text, the
-    last (longest stop - 1) characters are held back, so the streamed text never holds what the
-    final text drops."""
+    """What one stream has sent of its request (its outputs' text only grows: the engine holds
+    back what a stop string may still cut, ``OutputProcessor.text``)."""
 
-    def __init__(self, params):
-        self.holdback = max(map(len, params.stop), default=1) - 1
+    def __init__(self):
         self.text_sent = 0
         self.tokens_sent = 0
         self.pieces_sent = 0      # characters of the sent tokens' pieces (logprobs' text_offset)
@@ -44,9 +42,8 @@ class Delta:
         offset: the sent tokens' pieces' length, as the whole response counts it, which the
         text held back for stop strings does not change)."""
         c = out.outputs[0]
-        end = len(c.text) if out.finished else max(self.text_sent, len(c.text) - self.holdback)
-        text = c.text[self.text_sent:end]
-        self.text_sent = max(self.text_sent, end)
+        text = c.text[self.text_sent:]
+        self.text_sent = len(c.text)
         ids = c.token_ids[self.tokens_sent:]
         entries = list(zip(ids, c.logprobs[self.tokens_sent:])) if c.logprobs else []
         self.tokens_sent = len(c.token_ids)
@@ -333,7 +330,7 @@ async def _chunks(req, params, started, head, choice, opening: dict | None = Non
     async def one(i: int, first, gen) -> AsyncIterator[dict]:
         if opening is not None:
             yield chunk(i, opening)
-        delta = Delta(params)
+        delta = Delta()
         async with contextlib.aclosing(_chain(first, gen)) as outs:
             try:
                 async for out in outs:
