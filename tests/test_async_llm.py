@@ -289,6 +289,14 @@ def test_app_refusals(tiny_folder, llm):
             r = await c.post("/v1/completions", json={"prompt": "def f", "max_tokens": 3,
                                                       "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            for body, param, message in (
+                    ({"prompt": "def f", "n": 5}, "n", "n = 5: 5 sequences, more than this "
+                     "server holds at once (4: max_num_seqs and --max-waiting)"),
+                    ({"prompt": ["a", "b", "c"], "n": 2}, "prompt", "3 prompts x n = 2: 6 "
+                     "sequences, more than")):
+                r = await c.post("/v1/completions", json={**body, "max_tokens": 3})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param
+                assert r.json()["error"]["message"].startswith(message)
             hold = [engine.generate(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True),
                                     f"h{i}") for i in range(4)]
             await asyncio.gather(*(g.__anext__() for g in hold))

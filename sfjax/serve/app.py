@@ -119,10 +119,9 @@ class Server:
             return [await self._start_one(*seqs[0], renames)]
         held = self.engine.engine.config.max_num_seqs + (self.engine.max_waiting or 0)
         if self.engine.max_waiting is not None and len(seqs) > held:
-            field = "n" if len(prompts) == 1 else "prompt"
-            raise APIError(f"{len(prompts)} prompts x n = {prompts[0][1].n}: {len(seqs)} "
-                           f"sequences, more than this server holds at once ({held}: "
-                           f"max_num_seqs and --max-waiting)", field)
+            field, n = ("n", "") if len(prompts) == 1 else ("prompt", f"{len(prompts)} prompts x ")
+            raise APIError(f"{n}n = {prompts[0][1].n}: {len(seqs)} sequences, more than this "
+                           f"server holds at once ({held}: max_num_seqs and --max-waiting)", field)
         tasks = [asyncio.ensure_future(self._start_one(*seq, renames))
                  for seq in seqs]                           # admitted together, as vLLM does
         try:
