@@ -9,6 +9,7 @@ from sfjax import checks as C
 
 MAX_LOGPROBS = 20
 MAX_N = 1024            # completions per prompt (vLLM's parallel sampling; LLM.generate)
+F32_MAX = 3.4028234663852886e38    # the largest float32: the device's sampling table holds them
 
 
 @dataclasses.dataclass
@@ -82,8 +83,8 @@ class SamplingParams:
         after construction is checked too."""
         f = lambda name: f"SamplingParams.{name}"
         self.n = C.integer(f("n"), self.n, 1, MAX_N)
-        self.temperature = C.real(f("temperature"), self.temperature, 0.0,
-                                  allowed="a finite number >= 0 (0 is greedy)")
+        self.temperature = C.real(f("temperature"), self.temperature, 0.0, F32_MAX,
+                                  allowed=f"a number in [0, {F32_MAX:.4g}] (0 is greedy)")
         self.top_p = C.real(f("top_p"), self.top_p, 0.0, 1.0, lo_open=True)
         self.top_k = C.integer(f("top_k"), self.top_k, -1,
                                allowed="an int >= 1, or 0 / -1 for off (k >= the vocabulary is off)")
@@ -92,7 +93,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, C.real(f(name), getattr(self, name), -2.0, 2.0))
         self.repetition_penalty = C.real(f("repetition_penalty"), self.repetition_penalty, 0.0,
-                                         lo_open=True)
+                                         F32_MAX, lo_open=True)
         self.logit_bias = self._bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = C.int_list(f("allowed_token_ids"), self.allowed_token_ids, 0)

@@ -381,6 +381,7 @@ def test_stop_strings(llm):
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(stop=["ok", ""]), "stop"), (dict(n=0), "n"), (dict(seed=-1), "seed"),
     (dict(stop_token_ids=np.array([[3, 4]])), "stop_token_ids"),
+    (dict(temperature=1e39), "temperature"), (dict(repetition_penalty=1e300), "repetition_penalty"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} .*must be"):
