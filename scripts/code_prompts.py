@@ -40,9 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=8)
     parser.add_argument("--start", type=int, default=0, help="skip this many prompts")
     args = parser.parse_args(argv)
-    for flag, value in (("--count", args.count), ("--start", args.start)):
-        if value < (1 if flag == "--count" else 0):
-            parser.error(f"{flag} = {value}: must be >= {1 if flag == '--count' else 0}")
+    if args.count < 1:
+        parser.error(f"--count = {args.count}: must be >= 1")
+    if args.start < 0:
+        parser.error(f"--start = {args.start}: must be >= 0")
     prompts = code_prompts(args.count, args.start)
     with open(args.out, "w") as f:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)

@@ -33,8 +33,8 @@ class EngineClosed(RuntimeError):
 
 
 class EngineStepFailed(RuntimeError):
-    """A step failed as a whole (not one request's fault): every request the engine held ends
-    with it (those still being admitted go on)."""
+    """A step failed as a whole (not one request's fault): every live request ends with it
+    (those still being admitted go on; one that had ended gets its final output)."""
 
 
 class _Stream:
@@ -161,21 +161,23 @@ class AsyncLLM:
         """Aborts a live request: its consumer gets a last output with finish_reason "abort"."""
         self._submit(lambda: self._abort(request_id))
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
+    async def shutdown(self, timeout: float = 10.0, grace: float = 2.0) -> None:
         """Takes no new request, lets the live ones finish for up to ``timeout`` seconds, aborts
-        the rest, and stops the engine thread. A call while one runs waits for that one."""
+        the rest, gives their consumers up to ``grace`` seconds more to read the aborts (the
+        engine takes them after the step it is in), and stops the engine thread. A call while
+        one runs waits for that one."""
         if self._shutting_down is None:
-            self._shutting_down = asyncio.ensure_future(self._shutdown(timeout))
+            self._shutting_down = asyncio.ensure_future(self._shutdown(timeout, grace))
         await asyncio.shield(self._shutting_down)
 
-    async def _shutdown(self, timeout: float) -> None:
+    async def _shutdown(self, timeout: float, grace: float) -> None:
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for rid in list(self._streams):
             self._submit(lambda rid=rid: self._abort(rid))
-        while self._streams and time.monotonic() < deadline + 2.0:   # consumers see the aborts
+        while self._streams and time.monotonic() < deadline + grace:   # consumers see the aborts
             await asyncio.sleep(0.02)
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
@@ -270,8 +272,8 @@ class AsyncLLM:
             logger.exception("sfjax engine step failed")
             error = EngineStepFailed(f"engine step failed: {e}")
             for rid, stream in list(self._streams.items()):
-                if self.engine.holds(rid):      # not those whose add is still queued
-                    self.engine.abort(rid)
+                if rid in self.engine.requests:     # live: not those whose add is still queued,
+                    self.engine.abort(rid)          # nor an ended one's final output, held
                     stream.abandoned = True     # its consumer gets the error, not the abort's
                     self._fail(stream, error)
             outs = []

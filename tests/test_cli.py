@@ -91,8 +91,8 @@ def test_bench_json_reports_acceptance(tiny_folder, capsys):
     (["bench", "--base-url", "http://127.0.0.1:1", "--top-p", "0"], "SamplingParams.top_p = 0.0"),
     (["bench", "--base-url", "http://127.0.0.1:1", "--compare-hf"], "--compare-hf: not with --base-url"),
     (["bench", "--base-url", "http://127.0.0.1:1"], "--base-url http://127.0.0.1:1: ConnectError"),
-    (["bench", "--base-url", "http://127.0.0.1:1", "--model", "x"], "--model: an engine flag; "
-     "with --base-url the server's engine runs"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--block-size", "32"], "--block-size: an "
+     "engine flag; with --base-url the server's engine runs"),
 ])
 def test_errors_are_one_line_and_exit_2(argv, message, capsys, tiny_folder):
     if "--model" not in argv and "--base-url" not in argv:

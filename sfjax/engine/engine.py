@@ -221,7 +221,8 @@ class Engine:
         blocks = self.scheduler.blocks_needed(len(ids) + max_tokens)
         if blocks > self.config.num_kv_blocks // self.dp - 1:
             where = "the cache" if self.dp == 1 else "each data shard's cache"
-            how = "" if params.max_tokens is not None else ", the room left under max_model_len"
+            how = ("" if params.max_tokens is not None else ", the model's default"
+                   if max_tokens == max_tokens_cap else ", the room left under max_model_len")
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}{how}) needs "
                              f"{blocks} KV blocks; {where} has only "
                              f"{self.config.num_kv_blocks // self.dp - 1} (raise num_kv_blocks or "

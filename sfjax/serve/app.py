@@ -111,9 +111,11 @@ class Server:
         seeded seed + i, ``SamplingParams.children``)), all together, and waits for each one's
         first output: [(first output, its generator)], prompt by prompt. A refusal of any aborts
         them all."""
-        rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
-        seqs = [(prompt, child, rid if params.n == 1 else f"{i}_{rid}")
-                for (prompt, params), rid in zip(prompts, rids)
+        batch = len(prompts) > 1
+        seqs = [(prompt, child, (f"{request_id}-{k}" if batch else request_id)
+                 if params.n == 1 else f"{i}_{request_id}-{k}" if batch else f"{i}_{request_id}",
+                 f"prompt[{k}]: " if batch else "")
+                for k, (prompt, params) in enumerate(prompts)
                 for i, child in enumerate(params.children())]
         if len(seqs) == 1:
             return [await self._start_one(*seqs[0], renames)]
@@ -134,12 +136,13 @@ class Server:
                     await got[1].aclose()
             raise
 
-    async def _start_one(self, prompt, params, request_id: str, renames: dict):
+    async def _start_one(self, prompt, params, request_id: str, label: str, renames: dict):
+        """Admits one sequence (``label``: its prompt's place in a batch, for its errors)."""
         gen = self.engine.generate(prompt, params, request_id)
         try:
             first = await gen.__anext__()
         except (ValueError, TypeError) as e:
-            raise APIError(str(e), P.error_param(str(e), renames)) from None
+            raise APIError(label + str(e), P.error_param(str(e), renames)) from None
         except EngineOverloaded as e:
             raise APIError(f"the server is overloaded: {e}; retry later", status=503,
                            type="service_unavailable") from None
@@ -155,8 +158,8 @@ class Server:
 
     async def completions(self, req: P.CompletionRequest, raw: Request):
         self.check_model(req.model)
-        prompts = []
-        for prompt in P.completion_prompts(req):
+        prompts, batch = [], P.completion_prompts(req)
+        for prompt in batch:
             if isinstance(prompt, str):      # counted here for max_tokens; the engine checks it
                 try:
                     prompt = {"prompt": prompt, "prompt_token_ids": await self._encode(
@@ -164,7 +167,12 @@ class Server:
                 except Exception:
                     pass
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-            prompts.append((prompt, P.completion_params(req, self.defaults, self._room(ids))))
+            try:
+                prompts.append((prompt, P.completion_params(req, self.defaults, self._room(ids))))
+            except APIError as e:                  # which prompt of a batch
+                if len(batch) > 1:
+                    e.message = f"prompt[{len(prompts)}]: {e.message}"
+                raise
         params = prompts[0][1]          # the prompts' params differ in max_tokens alone
         rid = f"cmpl-{uuid.uuid4().hex}"
         started = await _unless_disconnected(raw, self.start(prompts, rid, {}))

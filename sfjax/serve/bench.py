@@ -61,7 +61,7 @@ async def _http_pass(base_url: str, work: B.Workload, args) -> dict:
 
         async def run(ids, n):
             async with gate:
-                return await _one(client, ids, n, _sampling(args))
+                return await _one(client, ids, n, _body(args))
 
         tasks, t0 = [], time.monotonic()
         for ids, n in zip(work.prompt_ids, work.max_tokens):
@@ -160,6 +160,12 @@ def _sampling(args) -> dict:
             "min_p": args.min_p, "seed": args.seed}
 
 
+def _body(args) -> dict:
+    """What every request of the run carries beside its prompt: the sampling fields, and with
+    --model the model it asks for (``vllm bench serve``'s --model)."""
+    return {**_sampling(args), **({"model": args.model} if args.model is not None else {})}
+
+
 def _check(args) -> None:
     """The flags --base-url runs with, refused here naming the flag (not as a traceback or a
     silent default)."""
@@ -173,7 +179,8 @@ def _check(args) -> None:
     if not args.compare_offline:           # the server runs its own engine
         from sfjax.cli import engine_flags
         for flag, (dest, default) in engine_flags().items():
-            if flag != "--seed" and getattr(args, dest) != default:    # --seed: the requests'
+            # --seed: the requests' too; --model: the name they ask for, as vLLM's bench sends it
+            if flag not in ("--seed", "--model") and getattr(args, dest) != default:
                 raise ValueError(f"{flag}: an engine flag; with --base-url the server's engine "
                                  f"runs (engine flags build one here only for --compare-offline)")
 
@@ -220,7 +227,7 @@ def main(args) -> int:
         o = best["offline"]
         print(B.report(o, f"Offline engine (concurrency {conc})"))
         ratio = (s["output_tokens"] / s["duration"]) / (o["output_tokens"] / o["duration"])
-        same = s["tokens"] == o["tokens"]
+        same = s["tokens"] == o["tokens"] if not s["failed"] else "n/a (requests failed)"
         print(f"{'server / offline output throughput:':<40}{ratio:.3f}")
         print(f"{'tokens equal to offline:':<40}{same}")
     return 0

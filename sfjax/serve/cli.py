@@ -67,8 +67,9 @@ def add_bench_args(b: argparse.ArgumentParser, offline) -> None:
     b.set_defaults(run=run)
 
 
-# seconds uvicorn waits, past --shutdown-timeout, for the aborted requests' last chunks to go out
-# before it cancels their handlers
+# seconds past --shutdown-timeout for the aborted requests' last chunks to go out (the engine
+# takes the aborts after the step it is in, which a compile makes seconds long): the drain waits
+# one second less than uvicorn, which then cancels the handlers left
 ABORT_GRACE = 5.0
 
 
@@ -90,7 +91,10 @@ class _Server:
                 try:
                     await super().shutdown(sockets)
                 finally:
-                    await draining
+                    if self.force_exit:      # a second Ctrl-C: no more waiting (run_serve closes)
+                        draining.cancel()
+                    else:
+                        await draining
 
             @contextlib.contextmanager
             def capture_signals(self):
@@ -145,7 +149,8 @@ def run_serve(args) -> int:
                             access_log=args.access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE)
     try:
-        _Server.make(config, lambda: engine.shutdown(args.shutdown_timeout)).run()
+        _Server.make(config, lambda: engine.shutdown(args.shutdown_timeout,
+                                                     ABORT_GRACE - 1.0)).run()
     finally:
         engine.close()
     logger.info("sfjax serve: stopped")
