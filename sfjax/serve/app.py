@@ -112,11 +112,12 @@ class Server:
         first output: [(first output, its generator)], prompt by prompt. A refusal of any aborts
         them all."""
         batch = len(prompts) > 1
-        seqs = [(prompt, child, (f"{request_id}-{k}" if batch else request_id)
-                 if params.n == 1 else f"{i}_{request_id}-{k}" if batch else f"{i}_{request_id}",
-                 f"prompt[{k}]: " if batch else "")
-                for k, (prompt, params) in enumerate(prompts)
-                for i, child in enumerate(params.children())]
+        seqs = []                       # (prompt, params, id, label for its errors)
+        for k, (prompt, params) in enumerate(prompts):
+            rid = f"{request_id}-{k}" if batch else request_id
+            label = f"prompt[{k}]: " if batch else ""
+            seqs += [(prompt, child, rid if params.n == 1 else f"{i}_{rid}", label)
+                     for i, child in enumerate(params.children())]
         if len(seqs) == 1:
             return [await self._start_one(*seqs[0], renames)]
         held = self.engine.engine.config.max_num_seqs + (self.engine.max_waiting or 0)
