@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -47,13 +48,35 @@ class _Stream:
         self.pending: list[RequestOutput] = []
         self.event = asyncio.Event()
         self.error: BaseException | None = None
+        self.last: RequestOutput | None = None     # the latest output put
         # its consumer left before the finished output (``_abandon``), or a failed step ended it
         # (``_step``): the engine's outputs for it are dropped, the id freed by the final one
         self.abandoned = False
 
     def put(self, out: RequestOutput) -> None:
+        if self.last is not None and self.last.finished:
+            return                  # ended by ``end``: the engine's late outputs are dropped
+        self.last = out
         self.pending.append(out)
         self.event.set()
+
+    def end(self, error: BaseException) -> None:
+        """Ends the stream without the engine (at shutdown, while a step outlasts the grace):
+        the last output it was given becomes the final one, with finish_reason "abort" (the
+        tokens and text it had given out), or it fails with ``error`` if it was given none."""
+        self.abandoned = True
+        if self.error is not None or (self.last is not None and self.last.finished):
+            return                                  # it has its end already
+        if self.last is None:
+            self.fail(error)
+        else:
+            last = self.last
+            metrics = last.metrics and dataclasses.replace(last.metrics,
+                                                           finished_time=time.monotonic())
+            self.put(dataclasses.replace(last, finished=True, new_token_ids=[], metrics=metrics,
+                                         outputs=[dataclasses.replace(c, finish_reason="abort",
+                                                                      stop_reason=None)
+                                                  for c in last.outputs]))
 
     def fail(self, error: BaseException) -> None:
         self.error = error
@@ -163,9 +186,11 @@ class AsyncLLM:
 
     async def shutdown(self, timeout: float = 10.0, grace: float = 2.0) -> None:
         """Takes no new request, lets the live ones finish for up to ``timeout`` seconds, aborts
-        the rest, gives their consumers up to ``grace`` seconds more to read the aborts (the
-        engine takes them after the step it is in), and stops the engine thread. A call while
-        one runs waits for that one."""
+        the rest, gives the engine up to ``grace`` seconds more to report the aborts (it takes
+        them after the step it is in), and stops the engine thread. A request it has not
+        reported by then (the step outlasts the grace: a compile) ends here: its consumer gets
+        the last output it was given with finish_reason "abort", or EngineClosed if it was given
+        none. A call while one runs waits for that one."""
         if self._shutting_down is None:
             self._shutting_down = asyncio.ensure_future(self._shutdown(timeout, grace))
         await asyncio.shield(self._shutting_down)
@@ -179,6 +204,11 @@ class AsyncLLM:
             self._submit(lambda rid=rid: self._abort(rid))
         while self._streams and time.monotonic() < deadline + grace:   # consumers see the aborts
             await asyncio.sleep(0.02)
+        if self._streams:          # the engine is still in a step (a compile): they end here
+            why = "the engine shut down before the request started"
+            self._fail_admissions(why)
+            for stream in list(self._streams.values()):
+                stream.end(EngineClosed(why))
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -204,7 +234,9 @@ class AsyncLLM:
     # -- the engine thread --------------------------------------------------------------------
 
     def _add(self, request_id: str, prompt, params, admitted: concurrent.futures.Future) -> None:
-        with self._cv:
+        with self._cv:          # whoever takes it from ``_admitting`` sets it
+            if admitted not in self._admitting:     # failed by a shutdown (``_fail_admissions``)
+                return
             self._admitting.discard(admitted)
         if not admitted.set_running_or_notify_cancel():
             return           # its caller left while the add was queued: nothing to admit
@@ -259,11 +291,9 @@ class AsyncLLM:
             self._accepting = False
             with self._cv:
                 self._stopping = True
-                waiting, self._admitting = self._admitting, set()
-            for admitted in waiting:     # queued adds that will not run
-                if admitted.set_running_or_notify_cancel():
-                    admitted.set_exception(EngineClosed("the engine has stopped"))
+            self._fail_admissions("the engine has stopped")
             self._fail_all(EngineClosed("the engine has stopped"))
+            self._streams.clear()           # nothing holds their ids any more
 
     def _step(self) -> None:
         try:
@@ -290,8 +320,8 @@ class AsyncLLM:
         for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is not None and stream.abandoned:     # no one reads it: the id is free
-                if out.finished:
-                    del self._streams[out.request_id]
+                if out.finished:        # (an ended stream's caller may have freed it already)
+                    self._streams.pop(out.request_id, None)
             elif stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
@@ -299,6 +329,15 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_dispatch, items)
             except RuntimeError:        # the caller's loop has closed
                 pass
+
+    def _fail_admissions(self, why: str) -> None:
+        """Fails the queued adds with EngineClosed(``why``): their commands will not run, or
+        will find them gone."""
+        with self._cv:
+            waiting, self._admitting = self._admitting, set()
+        for admitted in waiting:
+            if admitted.set_running_or_notify_cancel():       # else its caller left
+                admitted.set_exception(EngineClosed(why))
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):

@@ -266,6 +266,36 @@ def test_a_consumer_behind_its_outputs_sees_the_close(llm):
     asyncio.run(main())
 
 
+def test_shutdown_ends_what_a_step_outlasting_its_grace_holds(llm):
+    """A step that outlasts shutdown's grace (a compile) holds the aborts: shutdown ends its
+    requests itself once the grace is up, a started one with the last output it was given as
+    the final one (finish_reason "abort", the tokens it had streamed), one still waiting to be
+    admitted with EngineClosed; they waited for the step, and the server cancelled them with
+    plain-text 500s. The thread stops once the step ends."""
+    from sfjax.async_llm import EngineClosed
+    gate = _Gate("a")
+    engine = AsyncLLM.from_llm(llm, stat_loggers=[gate])
+
+    async def main():
+        a, ids = engine.generate(PROMPTS[0], _params(0, 40), "a"), []
+        ids += (await asyncio.wait_for(a.__anext__(), 60)).new_token_ids
+        gate.arm()                      # the step after this one holds the thread
+        assert await asyncio.to_thread(gate.held.wait, 10)
+        b = asyncio.ensure_future(engine.generate(PROMPTS[1], _params(1), "b").__anext__())
+        shutdown = asyncio.ensure_future(engine.shutdown(timeout=0.0, grace=0.3))
+        async for out in a:
+            ids += out.new_token_ids
+        assert out.finished and out.outputs[0].finish_reason == "abort"
+        assert 0 < len(ids) < 40 and out.outputs[0].token_ids == ids
+        with pytest.raises(EngineClosed, match="before the request started"):
+            await b
+        assert gate.held.is_set() and not shutdown.done()      # still in the step
+        gate.release()
+        await asyncio.wait_for(shutdown, 30)
+        assert not engine.is_running and engine.num_live_requests == 0
+
+    asyncio.run(asyncio.wait_for(main(), 9))         # the gate holds the thread for 10 s
+
 def test_app_refusals(tiny_folder, llm):
     """The tiny model has no chat template (400 naming messages); a full queue answers 503."""
     from sfjax.serve.app import build_app

@@ -76,16 +76,18 @@ async def _disconnected(raw: Request) -> None:
 
 
 async def _unless_disconnected(raw: Request, coro):
-    """Runs ``coro``; a client that leaves first cancels it (its request is aborted)."""
+    """Runs ``coro``; a client that leaves first, or the handler's cancellation, cancels it
+    (its request is aborted)."""
     task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_disconnected(raw))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
         raise APIError("the client disconnected", status=499, type="client_closed")
     return task.result()
 

@@ -69,7 +69,8 @@ def add_bench_args(b: argparse.ArgumentParser, offline) -> None:
 
 # seconds past --shutdown-timeout for the aborted requests' last chunks to go out (the engine
 # takes the aborts after the step it is in, which a compile makes seconds long): the drain waits
-# one second less than uvicorn, which then cancels the handlers left
+# one second less for the engine, then ends what is left itself (``AsyncLLM.shutdown``), before
+# uvicorn would cancel the handlers
 ABORT_GRACE = 5.0
 
 
