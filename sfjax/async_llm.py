@@ -63,10 +63,14 @@ class _Stream:
     def end(self, error: BaseException) -> None:
         """Ends the stream without the engine (at shutdown, while a step outlasts the grace):
         the last output it was given becomes the final one, with finish_reason "abort" (the
-        tokens and text it had given out), or it fails with ``error`` if it was given none."""
+        tokens and text it had given out: text held back for a stop string stays out, and the
+        stat loggers never see it), or it fails with ``error`` if it was given none. A stream
+        already abandoned (its consumer left, or a failed step's error is on its way) or ended
+        is left as it is."""
+        if self.abandoned or self.error is not None or (self.last is not None
+                                                        and self.last.finished):
+            return
         self.abandoned = True
-        if self.error is not None or (self.last is not None and self.last.finished):
-            return                                  # it has its end already
         if self.last is None:
             self.fail(error)
         else:
@@ -208,7 +212,7 @@ class AsyncLLM:
             why = "the engine shut down before the request started"
             self._fail_admissions(why)
             for stream in list(self._streams.values()):
-                stream.end(EngineClosed(why))
+                self._call(stream, stream.end, EngineClosed(why))
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -294,6 +298,10 @@ class AsyncLLM:
             self._fail_admissions("the engine has stopped")
             self._fail_all(EngineClosed("the engine has stopped"))
             self._streams.clear()           # nothing holds their ids any more
+            try:                # nor runs their requests on in the LLM's later calls
+                self.engine.drop_all()
+            except Exception:
+                logger.exception("sfjax engine: dropping the requests left failed")
 
     def _step(self) -> None:
         try:
@@ -305,7 +313,7 @@ class AsyncLLM:
                 if rid in self.engine.requests:     # live: not those whose add is still queued,
                     self.engine.abort(rid)          # nor an ended one's final output, held
                     stream.abandoned = True     # its consumer gets the error, not the abort's
-                    self._fail(stream, error)
+                    self._call(stream, stream.fail, error)
             outs = []
         self._snapshot = self._take_snapshot()
         self._deliver(outs)
@@ -341,12 +349,13 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
-            self._fail(stream, error)
+            self._call(stream, stream.fail, error)
 
     @staticmethod
-    def _fail(stream: _Stream, error: BaseException) -> None:
+    def _call(stream: _Stream, method: Callable, *args) -> None:
+        """Runs ``method(*args)`` on the stream's loop (its caller's, perhaps not this one)."""
         try:
-            stream.loop.call_soon_threadsafe(stream.fail, error)
+            stream.loop.call_soon_threadsafe(method, *args)
         except RuntimeError:        # the caller's loop has closed
             pass
 

@@ -46,25 +46,30 @@ async def _until(cond, timeout=10.0):
 
 
 class _Gate:
-    """A stat logger that, once armed, holds the engine thread after the step that gives
-    ``request_id`` tokens, until released."""
+    """A stat logger that, once armed, holds the engine thread after each step that gives
+    ``request_id`` tokens (their outputs delivered) until released; ``step`` lets one more step
+    run. ``holds`` counts the holds."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
-        self.armed, self.held, self.go = False, threading.Event(), threading.Event()
+        self.armed, self.held, self.holds = False, threading.Event(), 0
+        self._go = threading.Semaphore(0)
 
     def arm(self):
-        self.go.clear()
         self.armed = True
+
+    def step(self):
+        self._go.release()
 
     def release(self):
         self.armed = False
-        self.go.set()
+        self._go.release()
 
     def __call__(self, outputs, snapshot):
         if self.armed and any(o.request_id == self.request_id for o in outputs):
+            self.holds += 1
             self.held.set()
-            self.go.wait(10)
+            self._go.acquire(timeout=10)
             self.held.clear()
 
 
@@ -252,49 +257,87 @@ def test_a_consumer_behind_its_outputs_sees_the_close(llm):
     """Outputs delivered but not yet read when the engine closes come out, then EngineClosed
     (the next read waited forever)."""
     from sfjax.async_llm import EngineClosed
-    engine = AsyncLLM.from_llm(llm)
+    gate = _Gate("slow")
+    gate.arm()                  # the thread holds after each step that gives "slow" tokens
+    engine = AsyncLLM.from_llm(llm, stat_loggers=[gate])
 
     async def main():
         g = engine.generate(PROMPTS[0], _params(0, 50), "slow")
         await asyncio.wait_for(g.__anext__(), 60)
-        await _until(lambda: engine._streams["slow"].pending)    # delivered, not read
-        await asyncio.to_thread(engine.close)
+        gate.step()                                     # one more output, delivered, not read
+        await _until(lambda: gate.holds == 2 and engine._streams["slow"].pending)
+        closing = asyncio.ensure_future(asyncio.to_thread(engine.close))
+        await _until(lambda: engine._stopping)          # stops after the step it is in
+        gate.release()
+        await asyncio.wait_for(closing, 10)
+        out = await asyncio.wait_for(g.__anext__(), 10)
+        assert not out.finished and len(out.outputs[0].token_ids) < 50
         with pytest.raises(EngineClosed):
-            for _ in range(3):
-                await asyncio.wait_for(g.__anext__(), 10)
+            await asyncio.wait_for(g.__anext__(), 10)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        gate.release()
+        engine.close()
 
 
-def test_shutdown_ends_what_a_step_outlasting_its_grace_holds(llm):
+@pytest.mark.parametrize("step_ends", ["after the close", "before the close"])
+def test_shutdown_ends_what_a_step_outlasting_its_grace_holds(llm, step_ends):
     """A step that outlasts shutdown's grace (a compile) holds the aborts: shutdown ends its
     requests itself once the grace is up, a started one with the last output it was given as
     the final one (finish_reason "abort", the tokens it had streamed), one still waiting to be
     admitted with EngineClosed; they waited for the step, and the server cancelled them with
-    plain-text 500s. The thread stops once the step ends."""
+    plain-text 500s. When the step ends, before the thread is told to stop or after, the queued
+    add and abort find nothing to do, the thread stops, and the LLM holds no request."""
     from sfjax.async_llm import EngineClosed
     gate = _Gate("a")
+    gate.arm()                      # the step that gives "a" its first tokens holds the thread
     engine = AsyncLLM.from_llm(llm, stat_loggers=[gate])
+    ended = threading.Event()           # both consumers have their ends
+    if step_ends == "before the close":
+        close = engine.close
+
+        def close_once_the_step_ends(timeout=30.0):
+            engine.close = close
+            assert ended.wait(10)
+            gate.release()               # the queued add and abort run, then the abort's step
+            deadline = time.monotonic() + 10
+            while engine.engine.has_unfinished_requests() or engine._commands:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert engine._thread.is_alive(), "the engine loop died on the queued commands"
+            close(timeout)
+        engine.close = close_once_the_step_ends
+
+    async def rest(gen) -> list:
+        return [out async for out in gen]
 
     async def main():
         a, ids = engine.generate(PROMPTS[0], _params(0, 40), "a"), []
         ids += (await asyncio.wait_for(a.__anext__(), 60)).new_token_ids
-        gate.arm()                      # the step after this one holds the thread
         assert await asyncio.to_thread(gate.held.wait, 10)
         b = asyncio.ensure_future(engine.generate(PROMPTS[1], _params(1), "b").__anext__())
         shutdown = asyncio.ensure_future(engine.shutdown(timeout=0.0, grace=0.3))
-        async for out in a:
-            ids += out.new_token_ids
-        assert out.finished and out.outputs[0].finish_reason == "abort"
-        assert 0 < len(ids) < 40 and out.outputs[0].token_ids == ids
+        outs = await asyncio.wait_for(rest(a), 5)    # the gate holds the thread for 10 s
+        ids += [t for out in outs for t in out.new_token_ids]
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert 0 < len(ids) < 40 and outs[-1].outputs[0].token_ids == ids
         with pytest.raises(EngineClosed, match="before the request started"):
-            await b
+            await asyncio.wait_for(b, 5)
         assert gate.held.is_set() and not shutdown.done()      # still in the step
+        ended.set()
         gate.release()
         await asyncio.wait_for(shutdown, 30)
         assert not engine.is_running and engine.num_live_requests == 0
+        assert not engine.engine.has_unfinished_requests() and not engine.engine.holds("a")
 
-    asyncio.run(asyncio.wait_for(main(), 9))         # the gate holds the thread for 10 s
+    try:
+        asyncio.run(main())
+    finally:
+        gate.release()
+        engine.close()
+
 
 def test_app_refusals(tiny_folder, llm):
     """The tiny model has no chat template (400 naming messages); a full queue answers 503."""

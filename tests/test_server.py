@@ -50,7 +50,7 @@ def server(tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sfjax", "serve", "--port", str(port),
                                  *SERVE_FLAGS], env=env, stdout=out, stderr=subprocess.STDOUT)
-    proc.log = lambda: log.read_text()[-20000:]
+    proc.log = lambda whole=False: log.read_text()[0 if whole else -20000:]
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -613,20 +613,24 @@ def test_sigterm_while_streaming(server):
                     break
                 await asyncio.sleep(0.01)
             server.send_signal(signal.SIGTERM)
+            return ended(m) - before
 
         got = await asyncio.wait_for(asyncio.gather(
             *(unstarted_as_503(streamed(i)) for i in range(56)),
             *(unstarted_as_503(whole(i)) for i in range(8)), signal_once_all_are_in()), 60)
         await client.close()
-        return got[:-1]
+        return got[:-1], got[-1]
 
-    t0 = time.monotonic()
+    t0, logged = time.monotonic(), len(server.log(whole=True))
     try:
-        got = asyncio.run(main())
+        got, finished_before = asyncio.run(main())
         assert server.wait(30) == 0
-    finally:
+        assert time.monotonic() - t0 < 45
+        assert all(len(r) == 1 and r[0] in ("length", "abort", "503") for r in got), got
+        # past those that had finished at the signal, each of the 16 slots may finish its
+        # request in the step in flight; the rest were aborted (a new one needs 3 steps)
+        assert sum(r == ["length"] for r in got) <= finished_before + 16, (got, finished_before)
+        assert "Traceback" not in server.log(whole=True)[logged:]
+    except BaseException:
         print(server.log())
-    assert time.monotonic() - t0 < 45
-    assert all(len(r) == 1 and r[0] in ("length", "abort", "503") for r in got), got
-    assert sum(r != ["length"] for r in got) > 32, got
-    assert "Traceback" not in server.log()
+        raise

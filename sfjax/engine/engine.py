@@ -303,6 +303,12 @@ class Engine:
         self.abort(request_id)
         self._held.pop(request_id, None)
 
+    def drop_all(self) -> None:
+        """Drops every request and held output: their callers have all gone (``AsyncLLM``
+        stopping)."""
+        for request_id in [*self.requests, *self._held]:
+            self.drop(request_id)
+
     def _fail(self, req: Request, error: BaseException) -> None:
         """Ends one request after a failure serving it (finish_reason "error", the error on its
         output, returned by the next ``step``); every other request carries on."""

@@ -67,11 +67,11 @@ def add_bench_args(b: argparse.ArgumentParser, offline) -> None:
     b.set_defaults(run=run)
 
 
-# seconds past --shutdown-timeout for the aborted requests' last chunks to go out (the engine
-# takes the aborts after the step it is in, which a compile makes seconds long): the drain waits
-# one second less for the engine, then ends what is left itself (``AsyncLLM.shutdown``), before
-# uvicorn would cancel the handlers
-ABORT_GRACE = 5.0
+# seconds past --shutdown-timeout for the aborted requests' last chunks to go out: the drain
+# waits ENGINE_GRACE for the engine to report the aborts (it takes them after the step it is in,
+# which a compile makes seconds long), then ends what is left itself (``AsyncLLM.shutdown``);
+# uvicorn cancels the handlers still open (a client not reading) at ABORT_GRACE
+ABORT_GRACE, ENGINE_GRACE = 5.0, 3.0
 
 
 class _Server:
@@ -151,7 +151,7 @@ def run_serve(args) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE)
     try:
         _Server.make(config, lambda: engine.shutdown(args.shutdown_timeout,
-                                                     ABORT_GRACE - 1.0)).run()
+                                                     ENGINE_GRACE)).run()
     finally:
         engine.close()
     logger.info("sfjax serve: stopped")
