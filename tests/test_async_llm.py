@@ -137,21 +137,27 @@ def test_a_caller_leaving_before_admission_costs_no_one_else(llm):
     from sfjax.async_llm import EngineClosed
 
     engine = AsyncLLM.from_llm(llm)
-    busy = threading.Event()
+    busy, go = threading.Event(), threading.Event()
 
     async def main():
-        engine._submit(lambda: (busy.set(), time.sleep(0.5)))     # the thread is held here
+        engine._submit(lambda: (busy.set(), go.wait(10)))     # the thread is held here
         assert await asyncio.to_thread(busy.wait, 10)
         gone = asyncio.ensure_future(_collect(engine, PROMPTS[0], _params(0), "gone"))
-        await asyncio.sleep(0.1)                                  # its add is queued
+        await _until(lambda: engine._admitting)                  # its add is queued
         gone.cancel()
         with pytest.raises(asyncio.CancelledError):
             await gone
+        go.set()
         out = await asyncio.wait_for(_collect(engine, PROMPTS[1], _params(1), "next"), 60)
         assert out.finished and len(out.outputs[0].token_ids) == 12 and engine.is_running
         assert "gone" not in engine.engine.requests
-        engine._submit(lambda: (busy.clear(), time.sleep(0.3), 1 / 0))   # the loop dies
+        busy.clear()
+        go.clear()
+        engine._submit(lambda: (busy.set(), go.wait(10), 1 / 0))   # the loop dies
+        assert await asyncio.to_thread(busy.wait, 10)
         queued = asyncio.ensure_future(engine.generate(PROMPTS[2], _params(2)).__anext__())
+        await _until(lambda: engine._admitting)
+        go.set()
         with pytest.raises(EngineClosed):
             await asyncio.wait_for(queued, 10)
         with pytest.raises(EngineClosed):
@@ -193,19 +199,24 @@ def test_ids_a_refusal_or_the_caller_chose_are_free(llm):
     """A refused request leaves its id free at once (the engine never held it: a corrected retry
     under the same id was refused as "already live" while the engine was busy), and the ids
     made for requests without one never take an id a caller chose."""
-    slow = lambda outputs, snapshot: time.sleep(0.05)      # each step: the thread stays busy
+    stepped = []           # each step's request ids; the thread stays busy a while
+
+    def slow(outputs, snapshot):
+        stepped.append({o.request_id for o in outputs})
+        time.sleep(0.05)
     engine = AsyncLLM.from_llm(llm, stat_loggers=[slow])
 
     async def main():
-        busy = asyncio.ensure_future(_collect(engine, PROMPTS[0], _params(0, 40), "async-0"))
+        busy = asyncio.ensure_future(_collect(engine, PROMPTS[0], _params(0, 56), "async-0"))
         await _until(lambda: engine.engine.holds("async-0"))
         out = await asyncio.wait_for(_collect(engine, PROMPTS[2], _params(2, 4), None), 60)
         assert out.request_id == "async-1" and len(out.outputs[0].token_ids) == 4
         with pytest.raises(ValueError, match="stop_token_ids"):
             await _collect(engine, PROMPTS[1], SamplingParams(stop_token_ids=[10**6]), "r")
         out = await asyncio.wait_for(_collect(engine, PROMPTS[1], _params(1, 4), "r"), 60)
-        assert len(out.outputs[0].token_ids) == 4 and not busy.done()
-        assert len((await busy).outputs[0].token_ids) == 40
+        assert len(out.outputs[0].token_ids) == 4
+        assert len((await busy).outputs[0].token_ids) == 56
+        assert any({"async-0", "r"} <= ids for ids in stepped), "r never ran beside async-0"
 
     asyncio.run(main())
     engine.close()
@@ -218,11 +229,11 @@ def test_a_failed_step_ends_its_requests_with_the_error(llm, monkeypatch):
     from sfjax.async_llm import EngineStepFailed
     ref = llm.generate(PROMPTS[:2], [_params(0, 30), _params(1, 30)], use_tqdm=False)
     engine = AsyncLLM.from_llm(llm)
-    collect, calls = llm.engine._collect, []
+    collect, failed = llm.engine._collect, []
 
-    def failing(call):
-        calls.append(call)
-        if len(calls) == 3:
+    def failing(call):        # the first call that decodes both (each has had its first token)
+        if not failed and {r.request_id for r in call.decode} >= {"a", "b"}:
+            failed.append(call)
             raise RuntimeError("injected device failure")
         return collect(call)
 
@@ -231,7 +242,7 @@ def test_a_failed_step_ends_its_requests_with_the_error(llm, monkeypatch):
     async def late(prompt, params, rid):
         g, ids = engine.generate(prompt, params, rid), []
         ids += (await asyncio.wait_for(g.__anext__(), 60)).new_token_ids
-        await _until(lambda: len(calls) >= 3 and not llm.engine.holds(rid))   # failed, aborted
+        await _until(lambda: failed and not llm.engine.holds(rid))   # failed, aborted
         with pytest.raises(EngineStepFailed, match="injected device failure"):
             async for out in g:
                 assert not out.finished
