@@ -238,7 +238,8 @@ def _common(p: argparse.ArgumentParser, requests: bool = True) -> None:
                    help="decode rounds per host call while every request decodes (1..1024)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read every call back before sending the next (by default, while every "
-                        "request decodes and none waits, the next call is sent first)")
+                        "request decodes and no waiting one has a free slot, the next call is "
+                        "sent first)")
     p.add_argument("--attention", default="auto",
                    help="paged attention: auto (the Pallas kernel on GPU/TPU, the reference by query "
                         "blocks on CPU), reference, reference_tiles (faster for batched CPU serving), "

@@ -274,6 +274,19 @@ def test_bad_engine_settings_are_refused_before_loading(tiny_folder, kwargs, err
         LLM(**kwargs)
 
 
+def test_what_config_json_decides_is_refused_before_the_weights_load(tiny_folder, monkeypatch):
+    """max_model_len past the model's context was refused only once the engine was built, after
+    the tokenizer and every weight had loaded (minutes for a large model)."""
+    import sfjax.llm
+
+    def load(*args, **kwargs):
+        raise AssertionError("the weights loaded before the settings were checked")
+    monkeypatch.setattr(sfjax.llm, "load", load)
+    with pytest.raises(ValueError, match=r"max_model_len \(1025\) must be <= the model's "
+                                         r"max_position_embeddings \(1024\)"):
+        LLM(tiny_folder, max_model_len=1025)
+
+
 def test_a_head_folder_given_as_a_draft_model_is_named(tiny_folder):
     from sfjax.default_model import default_eagle_path
     with pytest.raises(ValueError, match=r"^speculative_config\.model: '.*eagle3': unsupported "

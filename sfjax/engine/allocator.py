@@ -128,12 +128,16 @@ class ShardedAllocator:
     the shard's null block). The scheduler takes a slot's pages from its shard's allocator
     (``shards[shard]``); this class only holds them and sums their counters."""
 
-    def __init__(self, num_blocks: int, num_shards: int, *, prefix_caching: bool = False):
-        per = num_blocks // num_shards
-        if num_blocks % num_shards or per < 2:
+    @staticmethod
+    def check(num_blocks: int, num_shards: int) -> None:
+        if num_blocks % num_shards or num_blocks // num_shards < 2:
             raise ValueError(f"num_kv_blocks ({num_blocks}) must be a multiple of "
                              f"data_parallel_size ({num_shards}) with >= 2 blocks per data shard "
                              "(each shard's block 0 is reserved)")
+
+    def __init__(self, num_blocks: int, num_shards: int, *, prefix_caching: bool = False):
+        self.check(num_blocks, num_shards)
+        per = num_blocks // num_shards
         self.num_blocks = num_blocks
         self.prefix_caching = prefix_caching
         self.shards = [BlockAllocator(per, prefix_caching=prefix_caching)

@@ -77,6 +77,19 @@ def _max_len(cfg: ModelConfig, config: EngineConfig) -> int:
     return max_len
 
 
+def check_settings(cfg: ModelConfig, config: EngineConfig, mesh=None) -> None:
+    """The settings that need the model's config.json (its context and head counts), or the
+    mesh (its data-parallel size), refused naming the field before any weight loads."""
+    mesh = None if mesh is None else sharding.as_mesh(mesh)
+    _max_len(cfg, config)
+    if mesh is not None:
+        sharding.validate(cfg, mesh)
+    sharding.validate_slots(config.max_num_seqs, mesh)
+    dp = sharding.dp_of(mesh)
+    if config.num_kv_blocks is not None and dp > 1:
+        ShardedAllocator.check(config.num_kv_blocks, dp)
+
+
 class Engine:
     """``add_request`` / ``step`` / ``abort`` / ``has_unfinished_requests``; LLM.generate is built on it."""
 
@@ -87,12 +100,9 @@ class Engine:
         weights, the KV cache and the steps over; None runs on the default device. Over dp data
         shards each holds max_num_seqs / dp slots and num_kv_blocks / dp pages (sfjax.sharding)."""
         self.cfg, self.tokenizer = cfg, tokenizer
-        if mesh is not None:
-            mesh = sharding.as_mesh(mesh)
-            sharding.validate(cfg, mesh)
-        self.mesh = mesh
+        check_settings(cfg, config, mesh)
+        self.mesh = mesh = None if mesh is None else sharding.as_mesh(mesh)
         self.dp = dp = sharding.dp_of(mesh)
-        sharding.validate_slots(config.max_num_seqs, mesh)
         self._split = model.unrolled(config.layer_loop)
         self.weights = sharding.place_weights(weights, cfg, mesh, self._split)
         tiles = lambda c, w: R.certified_tiles(w, c, config.row_tile, mesh=mesh,

@@ -47,6 +47,8 @@ def test_pool_pressure_and_prefix_caching_over_two_data_shards(folder, engines):
     (dict(num_kv_blocks=7), r"num_kv_blocks \(7\) must be a multiple of data_parallel_size \(2\)"),
     (dict(num_kv_blocks=2), r"with >= 2 blocks per data shard"),
 ])
-def test_sizes_that_do_not_split_over_the_data_shards(folder, kw, match):
+def test_sizes_that_do_not_split_over_the_data_shards(folder, kw, match, monkeypatch):
+    import sfjax.llm                                    # refused before the weights load
+    monkeypatch.setattr(sfjax.llm, "load", lambda *a, **k: pytest.fail("the weights loaded"))
     with pytest.raises(ValueError, match=match):
         LLM(folder, data_parallel_size=2, **dict(GEOMETRY, **kw))

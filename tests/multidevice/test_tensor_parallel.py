@@ -226,7 +226,9 @@ def test_a_draft_tensor_parallel_size_that_does_not_divide_the_targets(folder, d
         LLM(folder, tensor_parallel_size=4, speculative_config=spec, **GEOMETRY)
 
 
-def test_a_tp_that_does_not_divide_the_heads(model_folder):
+def test_a_tp_that_does_not_divide_the_heads(model_folder, monkeypatch):
+    import sfjax.llm                                    # refused before the weights load
+    monkeypatch.setattr(sfjax.llm, "load", lambda *a, **k: pytest.fail("the weights loaded"))
     six = model_folder(toy.tiny_config(num_heads=6, num_kv_heads=2, head_dim=16), seed=0)
     with pytest.raises(ValueError, match=r"tensor_parallel_size 4 does not divide the model's "
                                          r"num_attention_heads \(6\)"):
