@@ -264,6 +264,51 @@ def test_a_failed_step_ends_its_requests_with_the_error(llm, monkeypatch):
     engine.close()
 
 
+def test_a_failed_step_keeps_an_ended_requests_final_output(llm, monkeypatch):
+    """A request that ended before a step failed (aborted, its final output held for that step)
+    still gets its final output from the next step, while the running one gets the error; the
+    failed step dropped it, and its consumer waited forever, its id taken."""
+    from sfjax.async_llm import EngineStepFailed
+    gate = _Gate("a")
+    gate.arm()
+    engine = AsyncLLM.from_llm(llm, stat_loggers=[gate])
+    collect, fail = llm.engine._collect, []
+
+    def failing(call):
+        if fail:
+            fail.clear()
+            raise RuntimeError("injected device failure")
+        return collect(call)
+    monkeypatch.setattr(llm.engine, "_collect", failing)
+
+    def abort_b_and_fail_the_step():        # one command: nothing steps in between
+        llm.engine.abort("b")
+        fail.append(True)
+
+    async def main():
+        a = engine.generate(PROMPTS[0], _params(0, 40), "a")
+        await asyncio.wait_for(a.__anext__(), 60)        # then the thread holds
+        assert await asyncio.to_thread(gate.held.wait, 10)
+        gb = engine.generate(PROMPTS[1], _params(1, 40), "b")
+        b = asyncio.ensure_future(gb.__anext__())
+        await _until(lambda: engine._admitting)
+        engine._submit(abort_b_and_fail_the_step)       # after b's add
+        gate.release()
+        with pytest.raises(EngineStepFailed, match="injected device failure"):
+            async for _ in a:
+                pass
+        last = await asyncio.wait_for(b, 10)
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        assert [out async for out in gb] == []
+        await _until(lambda: _idle(engine))
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        gate.release()
+        engine.close()
+
+
 def test_a_consumer_behind_its_outputs_sees_the_close(llm):
     """Outputs delivered but not yet read when the engine closes come out, then EngineClosed
     (the next read waited forever)."""

@@ -366,9 +366,12 @@ class Engine:
             if self._dispatched:         # a call sent, or in flight, was not read back in full
                 self._inflight = None
                 self.slots.forget()
+            if self._dispatched or not isinstance(e, Exception) or not self._fail_culprits():
+                # no single request's rows raise alone; the outputs held for this step (an
+                # aborted request's final one) wait for the next
+                newer, self._held = list(self._held.values()), {}
+                self.put_back(held + newer)
                 raise
-            if not isinstance(e, Exception) or not self._fail_culprits():
-                raise        # no single request's rows raise alone
             new = []
         outs = merge_outputs(held + new + list(self._held.values()))
         self._held.clear()
