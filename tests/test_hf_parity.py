@@ -187,7 +187,14 @@ def test_teacher_forced_logits_match_hf(name, model_folder, hf_model, parity_ids
     assert got.dtype == np.float32
     assert ref.std(axis=-1).min() > MIN_LOGIT_STD
     diff = np.abs(got - ref).max()
-    assert diff <= PARITY_TOL, f"{name}: max |sfjax - HF| = {diff:.3g}"
+    if diff > PARITY_TOL:   # seen once in a full run (5.8e-4, 2.5e-6 alone): say which side moved
+        again_ref, again_got = hf_logits(hf, parity_ids), sfjax_logits(folder, parity_ids)
+        r, c = np.unravel_index(np.abs(got - ref).argmax(), got.shape)
+        pytest.fail(f"{name}: max |sfjax - HF| = {diff:.3g} at [{r}, {c}] (sfjax {got[r, c]}, "
+                    f"HF {ref[r, c]}); again: HF repeats bitwise {np.array_equal(ref, again_ref)}, "
+                    f"sfjax {np.array_equal(got, again_got)}, max diff "
+                    f"{np.abs(again_got - again_ref).max():.3g}; torch threads "
+                    f"{torch.get_num_threads()}, XLA_FLAGS {os.environ.get('XLA_FLAGS')!r}")
 
 
 def test_chunked_prefill_on_small_pages_matches_hf(model_folder, hf_model, parity_ids):
