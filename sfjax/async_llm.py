@@ -216,7 +216,8 @@ class AsyncLLM:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stops the engine thread (blocking); live requests fail with EngineClosed."""
+        """Stops the engine thread (blocking); live requests fail with EngineClosed, and the
+        engine drops every request it holds (this loop owns the engine while it runs)."""
         self._accepting = False
         with self._cv:
             self._stopping = True

@@ -15,7 +15,7 @@ from sfjax.checks import InvalidType
 from sfjax.chat import ChatTemplate
 from sfjax.config import ModelConfig, sampling_defaults
 from sfjax.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
-from sfjax.engine.engine import Engine, check_settings
+from sfjax.engine.engine import Engine, check_model_settings
 from sfjax.outputs import RequestOutput
 from sfjax.sampling_params import SamplingParams
 from sfjax.spec import eagle
@@ -114,7 +114,7 @@ class LLM:
                              f"divide the target's tensor_parallel_size ({target_tp})")
         self.model_path = model
         self.model_config = ModelConfig.from_folder(model, dtype)
-        check_settings(self.model_config, config, mesh)      # before the weights load
+        check_model_settings(self.model_config, config, mesh)      # before the weights load
         # the SamplingParams fields generation_config.json sets (``get_default_sampling_params``)
         self.generation_defaults = sampling_defaults(model)
         try:

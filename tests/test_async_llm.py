@@ -309,6 +309,38 @@ def test_a_failed_step_keeps_an_ended_requests_final_output(llm, monkeypatch):
         engine.close()
 
 
+def test_a_failed_follow_call_keeps_the_final_outputs_read_before_it(llm, monkeypatch):
+    """A step reads the call it sent ahead at once when a request ended in the first and others
+    wait for its slot; that read failing kept none of the first call's outputs: the request that
+    ended there never got its final one (its consumer waited forever), the others the error."""
+    from sfjax.async_llm import EngineStepFailed
+    from sfjax.engine.scheduler import Status
+    engine = AsyncLLM.from_llm(llm)
+    collect, failed = llm.engine._collect, []
+
+    def failing(call):          # the follow, read because a request ended in the call before
+        if not failed and call.waits and any(r.status is not Status.RUNNING for r in call.decode):
+            failed.append(call)
+            raise RuntimeError("injected device failure")
+        return collect(call)
+    monkeypatch.setattr(llm.engine, "_collect", failing)
+
+    async def last(rid, n):
+        async for out in engine.generate(PROMPTS[int(rid[1]) % 4], _params(0, n), rid):
+            pass
+        return out.outputs[0].finish_reason
+
+    async def main():       # r0 ends first while r4 waits for a slot (max_num_seqs 4)
+        got = await asyncio.gather(last("r0", 3), *(last(f"r{i}", 40) for i in range(1, 5)),
+                                   return_exceptions=True)
+        assert failed and got[0] == "length", got
+        assert all(isinstance(e, EngineStepFailed) for e in got[1:]), got
+        await _until(lambda: _idle(engine))
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    engine.close()
+
+
 def test_a_consumer_behind_its_outputs_sees_the_close(llm):
     """Outputs delivered but not yet read when the engine closes come out, then EngineClosed
     (the next read waited forever)."""

@@ -604,16 +604,18 @@ def test_sigterm_while_streaming(server):
             return [c.finish_reason for c in out.choices]
 
         ended = lambda m: m.get("sfjax:request_success_total", 0.0)    # every finish reason
-        before = ended(_metrics(server.url))
+        started = lambda m: m.get("sfjax:time_to_first_token_seconds_count", 0.0)
+        m0 = _metrics(server.url)
 
-        async def signal_once_all_are_in():      # live or ended: none still to connect
-            while True:
+        async def signal_once_all_are_in():      # live or ended, none still to connect; a slot
+            while True:                          # each with its first token given out
                 m = await asyncio.to_thread(_metrics, server.url)
-                if m["sfjax:num_requests_live"] + ended(m) - before >= 64:
+                if (m["sfjax:num_requests_live"] + ended(m) - ended(m0) >= 64
+                        and started(m) - started(m0) >= 16):
                     break
                 await asyncio.sleep(0.01)
             server.send_signal(signal.SIGTERM)
-            return ended(m) - before
+            return ended(m) - ended(m0)
 
         got = await asyncio.wait_for(asyncio.gather(
             *(unstarted_as_503(streamed(i)) for i in range(56)),
@@ -627,6 +629,7 @@ def test_sigterm_while_streaming(server):
         assert server.wait(30) == 0
         assert time.monotonic() - t0 < 45
         assert all(len(r) == 1 and r[0] in ("length", "abort", "503") for r in got), got
+        assert sum(r != ["503"] for r in got) >= 16, got      # the started ones end as they ran
         # past those that had finished at the signal, each of the 16 slots may finish its
         # request in the step in flight; the rest were aborted (a new one needs 3 steps)
         assert sum(r == ["length"] for r in got) <= finished_before + 16, (got, finished_before)

@@ -77,7 +77,7 @@ def _max_len(cfg: ModelConfig, config: EngineConfig) -> int:
     return max_len
 
 
-def check_settings(cfg: ModelConfig, config: EngineConfig, mesh=None) -> None:
+def check_model_settings(cfg: ModelConfig, config: EngineConfig, mesh=None) -> None:
     """The settings that need the model's config.json (its context and head counts), or the
     mesh (its data-parallel size), refused naming the field before any weight loads."""
     mesh = None if mesh is None else sharding.as_mesh(mesh)
@@ -100,7 +100,7 @@ class Engine:
         weights, the KV cache and the steps over; None runs on the default device. Over dp data
         shards each holds max_num_seqs / dp slots and num_kv_blocks / dp pages (sfjax.sharding)."""
         self.cfg, self.tokenizer = cfg, tokenizer
-        check_settings(cfg, config, mesh)
+        check_model_settings(cfg, config, mesh)
         self.mesh = mesh = None if mesh is None else sharding.as_mesh(mesh)
         self.dp = dp = sharding.dp_of(mesh)
         self._split = model.unrolled(config.layer_loop)
@@ -405,7 +405,11 @@ class Engine:
             # each of its requests ended in ``call``, or one did while others wait for its slot
             # (it runs no round then, ``rounds.call``): read it now, the next step admits
             self._inflight = None
-            outputs += self._collect(follow)
+            try:
+                outputs += self._collect(follow)
+            except BaseException:       # ``call``'s outputs (final ones among them) are kept
+                self.put_back(outputs)
+                raise
         return outputs
 
     def _launch(self) -> Call | None:
