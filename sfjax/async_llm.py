@@ -49,8 +49,9 @@ class _Stream:
         self.event = asyncio.Event()
         self.error: BaseException | None = None
         self.last: RequestOutput | None = None     # the latest output put
-        # its consumer left before the finished output (``_abandon``), or a failed step ended it
-        # (``_step``): the engine's outputs for it are dropped, the id freed by the final one
+        # its consumer left before the finished output (``_abandon``), a failed step ended it
+        # (``_step``), or shutdown did (``end``): the engine's outputs for it are dropped, the id
+        # freed by the final one
         self.abandoned = False
 
     def put(self, out: RequestOutput) -> None:
