@@ -16,8 +16,10 @@ pallas_kernels/ differ from its commit (``--allow-dirty`` overrides that).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,6 +56,7 @@ def main(argv=None) -> int:
 
     start = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="sfjax-golden-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     md_out = os.path.join(tmp, "multidevice.json")
     proc = G.start_multidevice(md_out)                    # runs alongside the single-device runs
     ctx = G.Context(os.path.join(tmp, "models"))

@@ -122,6 +122,8 @@ class AsyncLLM:
         self._stopping = False
         self._accepting = True
         self._shutting_down: asyncio.Future | None = None
+        self._close_deadline: float | None = None      # the first close's (``close``)
+        self._left_running = False
         self._admitting: set[concurrent.futures.Future] = set()    # adds queued, not yet run
         self._ids = itertools.count()
         self._snapshot = self._take_snapshot()
@@ -218,12 +220,22 @@ class AsyncLLM:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stops the engine thread (blocking); live requests fail with EngineClosed, and the
-        engine drops every request it holds (this loop owns the engine while it runs)."""
+        engine drops every request it holds (this loop owns the engine while it runs). Waits up
+        to ``timeout`` seconds for the step it is in, counted from the first close: a later
+        close (the server's, after its drain's) does not wait that long again. A thread still
+        in its step then (a compile) is logged and left to stop when the step ends."""
         self._accepting = False
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join(timeout)
+            if self._close_deadline is None:
+                self._close_deadline = time.monotonic() + timeout
+            deadline = self._close_deadline
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive() and not self._left_running:
+            self._left_running = True
+            logger.warning("sfjax engine: the thread is still in a step %g s after close "
+                           "(a compile?); it stops when the step ends", timeout)
 
     def _submit(self, command: Callable[[], None],
                 admitted: concurrent.futures.Future | None = None) -> None:

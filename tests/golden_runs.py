@@ -379,7 +379,7 @@ def finish_multidevice(proc: subprocess.Popen, out_path: str, timeout: float = 6
 def _multidevice_main(out_path: str) -> None:
     import jax
     assert jax.device_count() == 8, f"{jax.device_count()} devices: XLA_FLAGS={MULTIDEVICE_FLAGS} needed"
-    ctx = Context()
+    ctx = Context(os.path.join(os.path.dirname(os.path.abspath(out_path)), "multidevice-models"))
     records = {r["name"]: execute(ctx, r) for r in multidevice_runs()}
     import sfjax
     with open(out_path, "w") as f:

@@ -427,6 +427,39 @@ def test_shutdown_ends_what_a_step_outlasting_its_grace_holds(llm, step_ends):
         engine.close()
 
 
+def test_closes_share_the_first_ones_wait_for_a_step(llm, caplog):
+    """A step outlasting close's wait (a compile) is logged and left to end on its own; a later
+    close (the server's after its drain's) waits only what is left of the first one's timeout,
+    not that long again. When the step ends the thread stops and the LLM holds no request."""
+    gate = _Gate("a")
+    gate.arm()
+    engine = AsyncLLM.from_llm(llm, stat_loggers=[gate])
+
+    async def first_tokens():
+        gen = engine.generate(PROMPTS[0], _params(0, 40), "a")
+        await asyncio.wait_for(gen.__anext__(), 60)
+        assert await asyncio.to_thread(gate.held.wait, 10)
+
+    try:
+        asyncio.run(first_tokens())
+        with caplog.at_level("WARNING", logger="sfjax"):
+            t = time.monotonic()
+            engine.close(timeout=0.5)
+            first = time.monotonic() - t
+            engine.close(timeout=30.0)
+            both = time.monotonic() - t
+        assert 0.4 < first and both < 5, (first, both)     # the second did not wait 30 s
+        assert gate.held.is_set() and engine._thread.is_alive()
+        assert [r.getMessage() for r in caplog.records if "still in a step" in r.getMessage()] == [
+            "sfjax engine: the thread is still in a step 0.5 s after close (a compile?); it "
+            "stops when the step ends"]
+    finally:
+        gate.release()
+    engine._thread.join(30)
+    assert not engine._thread.is_alive() and not engine.engine.holds("a")
+    assert not engine.engine.has_unfinished_requests()
+
+
 def test_app_refusals(tiny_folder, llm):
     """The tiny model has no chat template (400 naming messages); a full queue answers 503."""
     from sfjax.serve.app import build_app
