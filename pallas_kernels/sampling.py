@@ -86,12 +86,31 @@ def _filter(x, top_k, top_p, min_p):
     return jnp.where(keys >= _threshold(keys, _softmax(x), p_target)[:, None], x, -jnp.inf)
 
 
+def _finite(x):
+    return jnp.abs(x) < jnp.inf          # (no is_finite in every Pallas lowering)
+
+
+def _tempered(logits, temperature, sampled):
+    """logits / T for the sampled rows (/ 1 for the greedy ones). A row where that leaves
+    float32's range (a tiny T: a finite logit gone to +-inf, and the softmax then NaN
+    everywhere, which drew token 0 whatever was allowed) is (logits - its max) / T instead: the
+    same distribution, in range, its top tokens at 0. Every other row keeps logits / T, bit for
+    bit."""
+    t = jnp.where(sampled, temperature, 1.0)[:, None]
+    x = logits / t
+    finite = _finite(logits)
+    lost = jnp.max((finite & ~_finite(x)).astype(jnp.int32), axis=-1, keepdims=True) > 0
+    m = jnp.max(jnp.where(finite, logits, -jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(lost, (logits - jnp.where(lost, m, 0.0)) / t, x)
+
+
 def processed_logits(logits, temperature, top_k, top_p, min_p):
-    """The logits a row draws from: for sampled rows logits / T with min-p, top-k and top-p as
-    -inf; for greedy rows 0 at the argmax and -inf elsewhere (a point mass). [R, V] float32."""
+    """The logits a row draws from: for sampled rows logits / T (``_tempered``) with min-p,
+    top-k and top-p as -inf; for greedy rows 0 at the argmax and -inf elsewhere (a point mass).
+    [R, V] float32."""
     logits = logits.astype(jnp.float32)
     sampled = temperature > 0
-    x = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    x = _tempered(logits, temperature, sampled)
     need = sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
     x = lax.cond(_any(need), lambda: _filter(x, top_k, top_p, min_p), lambda: x)
     iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
@@ -109,7 +128,7 @@ def process_and_sample(logits, bits, temperature, top_k, top_p, min_p):
     sampled = temperature > 0
 
     def draw():
-        x = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+        x = _tempered(logits, temperature, sampled)
         need = sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
         x = lax.cond(_any(need), lambda: _filter(x, top_k, top_p, min_p), lambda: x)
         return argmax(x + gumbel_from_bits(bits))

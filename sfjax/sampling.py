@@ -24,7 +24,7 @@ from jax import lax
 from pallas_kernels import sampling as kernels
 from sfjax.checks import InvalidType, integer
 from sfjax.rows import bucket, num_tiles_of, per_tile
-from sfjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from sfjax.sampling_params import F32_MAX, MAX_LOGPROBS, SamplingParams
 
 INT32_MAX = 2**31 - 1
 
@@ -257,7 +257,9 @@ def _penalize(logits, b: SamplingBatch, history):
     counts = jnp.zeros((r, v), jnp.float32).at[rows, hist].add(out.astype(jnp.float32))
     seen = jnp.zeros((r, v), jnp.bool_).at[rows, hist].max(known)
     rep = b.repetition[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    scaled = jnp.clip(jnp.where(logits > 0, logits / rep, logits * rep), -F32_MAX, F32_MAX)
+    # held in float32's range (a tiny or huge repetition_penalty), a masked -inf kept as it is
+    logits = jnp.where(seen & (jnp.abs(logits) < jnp.inf), scaled, logits)
     return logits - b.frequency[:, None] * counts - b.presence[:, None] * (counts > 0)
 
 

@@ -305,6 +305,30 @@ def test_the_smallest_top_p_keeps_the_top_token(llm, top_p):
     assert run(temperature=1.3, top_p=top_p, seed=5, **allowed) == run(temperature=0, **allowed)
 
 
+def test_logits_past_float32s_range_draw_what_they_mean(llm):
+    """A tiny temperature (logits / T past float32's largest) or repetition_penalty (a seen
+    logit / it) made the softmax NaN, and with top-k, top-p or min-p every draw was token 0,
+    even outside allowed_token_ids. A tiny T now draws the argmax, as greedy does, by kernel and
+    reference alike; a tiny repetition_penalty a token seen before; in range, the bits are
+    as they were (``test_exact_distribution_by_enumerating_the_noise`` and the golden runs)."""
+    logits = np.random.default_rng(2).standard_normal((8, 40)).astype(np.float32) * 40
+    logits[:, 5] = -np.inf                                     # a masked token stays masked
+    bits = S.noise_bits(jnp.zeros((8, 2), jnp.uint32), jnp.arange(8), 40)
+    one = lambda x, dtype=np.float32: np.full(8, x, dtype)
+    for top_k, top_p, min_p in ((0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.1)):
+        args = (logits, bits, one(1e-37), one(top_k, np.int32), one(top_p), one(min_p))
+        np.testing.assert_array_equal(K.sample_reference(*args), logits.argmax(-1))
+        np.testing.assert_array_equal(K.sample(*args, impl="interpret"), logits.argmax(-1))
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    run = lambda **kw: llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, seed=0,
+                                                           **kw), use_tqdm=False)[0].outputs[0]
+    allowed = dict(logit_bias={100: 100}, allowed_token_ids=[100, 200, 300])
+    assert run(temperature=1e-37, top_k=3, **allowed).token_ids == [100] * 6
+    assert run(temperature=1e-37, top_p=0.9).token_ids == run(temperature=0).token_ids
+    ids = run(temperature=0.8, top_p=0.9, repetition_penalty=1e-38).token_ids
+    assert all(t in [5, 6, 7, 8, 9] + ids[:i] for i, t in enumerate(ids)), ids
+
+
 def test_n_completions_per_prompt_as_vllm_samples_them(llm):
     """SamplingParams.n (vLLM's parallel sampling, in LLM.generate): one RequestOutput per
     prompt holding n completions, completion i the tokens of the same request alone seeded
