@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from sfjax.outputs import RequestOutput, merge_outputs
 from sfjax.sampling_params import SamplingParams
@@ -156,6 +157,22 @@ class AsyncLLM:
         """Admits the request (ValueError / TypeError naming the field if it is refused) and
         yields its RequestOutputs (cumulative; ``new_token_ids`` since the last one yielded)
         until the finished one. Leaving early (cancelled, closed) aborts it."""
+        outputs = await self.add_request(prompt, sampling_params, request_id)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
+
+    async def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                          request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """``generate`` in two parts: returns once the request is admitted (or raises as
+        ``generate`` does), with the generator of its outputs. Closing that generator before
+        its finished output (or dropping it: asyncio closes it) aborts the request; a server
+        answers a refusal before it starts a response, then streams what comes."""
+        outputs = self._outputs(prompt, sampling_params, request_id)
+        await outputs.__anext__()               # None once admitted; a refusal raises here
+        return outputs
+
+    async def _outputs(self, prompt, sampling_params, request_id):
         if not self._accepting:
             raise EngineClosed("the engine is shutting down")
         waiting = len(self._streams) - self.engine.config.max_num_seqs
@@ -172,6 +189,7 @@ class AsyncLLM:
             self._submit(lambda: self._add(request_id, prompt, sampling_params, admitted),
                          admitted)
             await asyncio.wrap_future(admitted)
+            yield None
             while not finished:
                 out = await stream.get()
                 finished = out.finished

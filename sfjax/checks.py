@@ -14,12 +14,19 @@ class InvalidType(TypeError, ValueError):
     bad input as ValueError (the CLI, the server) handle it as well."""
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """``value``'s repr for a message, cut to ``limit`` characters (an error about a long
+    prompt does not send the prompt back)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _bad_type(field: str, value: Any, allowed: str) -> TypeError:
-    return InvalidType(f"{field} = {value!r} has type {type(value).__name__}: must be {allowed}")
+    return InvalidType(f"{field} = {_shown(value)} has type {type(value).__name__}: must be {allowed}")
 
 
 def _out_of_range(field: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{field} = {value!r} is out of range: must be {allowed}")
+    return ValueError(f"{field} = {_shown(value)} is out of range: must be {allowed}")
 
 
 def _span(lo, hi) -> str:
@@ -69,7 +76,7 @@ def boolean(field: str, value: Any) -> bool:
 
 def one_of(field: str, value: Any, choices: Sequence) -> Any:
     if not any(value == c and type(value) is type(c) for c in choices):
-        raise ValueError(f"{field} = {value!r}: must be one of {', '.join(map(repr, choices))}")
+        raise ValueError(f"{field} = {_shown(value)}: must be one of {', '.join(map(repr, choices))}")
     return value
 
 
@@ -82,7 +89,7 @@ def text(field: str, value: Any, *, optional: bool = False) -> str | None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{field} = {value!r} is not valid text: must be valid UTF-8 "
+        raise ValueError(f"{field} = {_shown(value)} is not valid text: must be valid UTF-8 "
                          f"({e.reason} at position {e.start})") from None
     return value
 

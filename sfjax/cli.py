@@ -40,7 +40,8 @@ def _llm(args, default_spec: dict | None = None):
                num_scheduler_steps=args.num_scheduler_steps, speculative_config=spec,
                async_scheduling=not args.no_async_scheduling,
                small_row_tiles=not args.no_small_row_tiles, attention=args.attention,
-               compiler_options=options)
+               compiler_options=options, num_kv_blocks=args.num_kv_blocks,
+               **({} if args.kv_cache_bytes is None else {"kv_cache_bytes": args.kv_cache_bytes}))
 
 
 def _params(args, **over):
@@ -230,6 +231,12 @@ def _common(p: argparse.ArgumentParser, requests: bool = True) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache pages (default: enough for --max-num-seqs full sequences within "
+                        "--kv-cache-bytes)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="bytes of KV pages per device when --num-kv-blocks is not given "
+                        "(default 1 GiB)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (prefill chunks and decode rows); default max(512, seqs)")

@@ -73,6 +73,8 @@ def test_bench_json_reports_acceptance(tiny_folder, capsys):
     (["generate", "x", "--seed", "-1"], "SamplingParams.seed = -1 is out of range"),
     (["generate", "x", "--max-model-len", "0"], "EngineConfig.max_model_len = 0 is out of range"),
     (["generate", "x", "--block-size", "0"], "block_size"),
+    (["generate", "x", "--num-kv-blocks", "1"], "EngineConfig.num_kv_blocks = 1 is out of range"),
+    (["generate", "x", "--kv-cache-bytes", "0"], "EngineConfig.kv_cache_bytes = 0 is out of range"),
     (["generate", "x", "--max-num-seqs", "0"], "EngineConfig.max_num_seqs = 0 is out of range"),
     (["generate", "x", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2.5}'],
      "speculative_config.num_speculative_tokens = 2.5 has type float"),

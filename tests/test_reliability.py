@@ -287,6 +287,30 @@ def test_what_config_json_decides_is_refused_before_the_weights_load(tiny_folder
         LLM(tiny_folder, max_model_len=1025)
 
 
+def test_a_context_past_the_default_cache_serves_what_the_cache_holds(tiny_folder, caplog):
+    """A model whose context outgrows kv_cache_bytes (a 128K-context model and the default 1
+    GiB) refused every request that asks for the rest of the context (a chat without
+    max_tokens): max_model_len, left to the model, is now what one sequence's cache holds. A
+    length given outright is kept, with a warning (a request needing more is refused)."""
+    from sfjax import toy
+    from sfjax.cache import KVCache
+
+    cache = 16 * KVCache.bytes_per_block(toy.tiny_config(), 16)       # 256 of its 1024 tokens
+    with caplog.at_level("WARNING", logger="sfjax"):
+        llm = LLM(tiny_folder, kv_cache_bytes=cache, small_row_tiles=False)
+        kept = LLM(tiny_folder, kv_cache_bytes=cache, max_model_len=512, small_row_tiles=False)
+    assert (llm.engine.config.max_model_len, kept.engine.config.max_model_len) == (256, 512)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("the model's context (1024) needs more KV cache than kv_cache_bytes" in m
+               and "serving at max_model_len 256" in m for m in said), said
+    assert any("holds 256 tokens of one sequence, fewer than max_model_len (512)" in m
+               for m in said), said
+    out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=None,
+                                                                     ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (254, "length")
+
+
 def test_a_head_folder_given_as_a_draft_model_is_named(tiny_folder):
     from sfjax.default_model import default_eagle_path
     with pytest.raises(ValueError, match=r"^speculative_config\.model: '.*eagle3': unsupported "

@@ -293,9 +293,28 @@ def test_other_bad_requests_get_400(client, server):
                dict(tool_choice="auto", user="u", extra_body={"metadata_of_mine": 1}),
                dict(extra_body={"chat_template_kwargs": {"enable_thinking": False}})):
         assert chat(**kw).choices[0].message.content is not None
-    for body in (b'{"prompt": "x"', b"[1, 2", b"not json"):
+    for body in (b'{"prompt": "x"', b"[1, 2", b"not json",
+                 b'{"prompt":' + b"[" * 100_000 + b"]" * 100_000 + b"}"):   # a RecursionError
         r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=10)
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    raw = [   # bodies the typed client would not send: (body, param, words of the message)
+        ({"prompt": "x", "max_tokens": True}, "max_tokens", "integer"),      # not 1 token
+        ({"prompt": [True, False]}, "prompt", "a list of token ids"),         # not ids [1, 0]
+        ({"prompt": [1, "a"]}, "prompt", "a list of token ids"),
+        ({"prompt": {"a": 1}}, "prompt", "a list of token ids"),
+        ({"prompt": "x", "n": 2, "best_of": 1}, "best_of", "must be n (2) or null"),
+        ({"prompt": "x", "echo": True}, "echo", "sfjax allows false or null"),
+        ({"prompt": "x", "suffix": ""}, "suffix", "sfjax allows null"),
+        ({"prompt": "a\ud800b" * 5000}, "prompt", "not valid text"),
+    ]
+    for body, param, words in raw:        # json.dumps escapes the lone surrogate; httpx can't
+        r = httpx.post(f"{server.url}/v1/completions", content=json.dumps(body), timeout=10)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and words in err["message"], err
+        assert len(err["message"]) < 400, err                      # the value is not echoed whole
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,     # best_of = n: n's choices
+                   json={"prompt": "x", "n": 2, "best_of": 2, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
     for body in ({"max_tokens": 3}, {"prompt": None, "max_tokens": 3}):   # null, not missing
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
@@ -400,6 +419,26 @@ def test_n_choices_are_vllms_parallel_sampling(client, server, offline, stream):
     while _metrics(server.url)["sfjax:num_requests_live"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _metrics(server.url)["sfjax:num_requests_live"] == 0
+
+
+def test_a_stream_of_more_choices_than_slots_starts_with_the_first(client, server, offline):
+    """n = max_num_seqs + 1, streamed: the choices that have slots stream at once, while the
+    last waits for one (the response began only when that one had its first token, the first
+    16 choices' tokens sent in one burst once they had finished); every choice ends as it would
+    offline."""
+    kw = dict(temperature=0.9, seed=3, max_tokens=40)
+    want = [offline.generate("class Cache:", _sampling({**kw, "seed": 3 + i, "ignore_eos": True}),
+                             use_tqdm=False)[0].outputs[0].token_ids for i in range(17)]
+    got, waiting = {}, None
+    for chunk in client.completions.create(model=MODEL, prompt="class Cache:", n=17, stream=True,
+                                           extra_body={"return_token_ids": True,
+                                                       "ignore_eos": True}, **kw):
+        if waiting is None:
+            waiting = _metrics(server.url)["sfjax:num_requests_waiting"]
+        for c in chunk.choices:
+            got.setdefault(c.index, []).extend(c.model_extra.get("token_ids") or [])
+    assert waiting == 1                          # the 17th: 16 slots hold the others
+    assert [got[i] for i in range(17)] == want
 
 
 def test_models_tokenize_detokenize(client, server, offline):

@@ -113,6 +113,8 @@ class Engine:
         max_len = _max_len(cfg, config)
         blocks_per_seq = -(-max_len // config.block_size)
         num_blocks, per_block = self._kv_pages(config, blocks_per_seq, mesh)
+        max_len = self._fitted_len(config, max_len, (num_blocks // dp - 1) * config.block_size)
+        blocks_per_seq = -(-max_len // config.block_size)
         self.config = dataclasses.replace(config, max_model_len=max_len, num_kv_blocks=num_blocks)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = (BlockAllocator(num_blocks, prefix_caching=config.enable_prefix_caching)
@@ -169,6 +171,27 @@ class Engine:
                     c.block_size, tokens, c.num_kv_blocks // dp * per_block / 2**20,
                     f", {dp} data shards" if dp > 1 else "", c.max_model_len,
                     tokens / c.max_model_len)
+
+    @staticmethod
+    def _fitted_len(config: EngineConfig, max_len: int, room: int) -> int:
+        """``max_len``, or what one sequence's KV cache holds (``room`` tokens in a data
+        shard's pages) if that is less and ``max_model_len`` was left to the model's context:
+        a long-context model's full length can outgrow the default ``kv_cache_bytes``, and
+        every request asking for the rest of the context (a chat without max_tokens) would be
+        refused. A length or cache given outright is kept (a request needing more than the
+        cache is refused on its own), with a warning."""
+        if room >= max_len:
+            return max_len
+        if config.max_model_len is None and config.num_kv_blocks is None:
+            logger.warning("max_model_len: the model's context (%d) needs more KV cache than "
+                           "kv_cache_bytes (%d) gives one sequence; serving at max_model_len %d "
+                           "(raise kv_cache_bytes or num_kv_blocks for more)", max_len,
+                           config.kv_cache_bytes, room)
+            return room
+        logger.warning("the KV cache holds %d tokens of one sequence, fewer than max_model_len "
+                       "(%d): a request needing more is refused (raise num_kv_blocks or "
+                       "kv_cache_bytes)", room, max_len)
+        return max_len
 
     def _kv_pages(self, config: EngineConfig, blocks_per_seq: int, mesh) -> tuple[int, int]:
         """(KV pages, bytes of a page on one device): ``num_kv_blocks``, else enough for

@@ -110,9 +110,11 @@ class Server:
     async def start(self, prompts: list[tuple], request_id: str, renames: dict) -> list[tuple]:
         """Admits the sequences of the request's ``prompts`` [(prompt, params)] (vLLM's ids:
         "<id>-k" the k-th of a batch, "i_<id>" its i-th of ``n`` (parallel sampling: child i
-        seeded seed + i, ``SamplingParams.children``)), all together, and waits for each one's
-        first output: [(first output, its generator)], prompt by prompt. A refusal of any aborts
-        them all."""
+        seeded seed + i, ``SamplingParams.children``)), all together: [(first output or None,
+        its generator)], prompt by prompt. A request of one sequence waits for its first output
+        (an engine that stops before it gives one is a 503); one of several starts once all are
+        admitted, so that one waiting for a slot (n past max_num_seqs) holds up none of the
+        others. A refusal of any aborts them all."""
         batch = len(prompts) > 1
         seqs = []                       # (prompt, params, id, label for its errors)
         for k, (prompt, params) in enumerate(prompts):
@@ -121,13 +123,13 @@ class Server:
             seqs += [(prompt, child, rid if params.n == 1 else f"{i}_{rid}", label)
                      for i, child in enumerate(params.children())]
         if len(seqs) == 1:
-            return [await self._start_one(*seqs[0], renames)]
+            return [await self._start_one(*seqs[0], renames, first=True)]
         held = self.engine.engine.config.max_num_seqs + (self.engine.max_waiting or 0)
         if self.engine.max_waiting is not None and len(seqs) > held:
             field, n = ("n", "") if len(prompts) == 1 else ("prompt", f"{len(prompts)} prompts x ")
             raise APIError(f"{n}n = {prompts[0][1].n}: {len(seqs)} sequences, more than this "
                            f"server holds at once ({held}: max_num_seqs and --max-waiting)", field)
-        tasks = [asyncio.ensure_future(self._start_one(*seq, renames))
+        tasks = [asyncio.ensure_future(self._start_one(*seq, renames, first=False))
                  for seq in seqs]                           # admitted together, as vLLM does
         try:
             return list(await asyncio.gather(*tasks))
@@ -139,11 +141,13 @@ class Server:
                     await got[1].aclose()
             raise
 
-    async def _start_one(self, prompt, params, request_id: str, label: str, renames: dict):
-        """Admits one sequence (``label``: its prompt's place in a batch, for its errors)."""
-        gen = self.engine.generate(prompt, params, request_id)
+    async def _start_one(self, prompt, params, request_id: str, label: str, renames: dict,
+                         first: bool):
+        """Admits one sequence (``label``: its prompt's place in a batch, for its errors) and,
+        if ``first``, waits for its first output."""
         try:
-            first = await gen.__anext__()
+            gen = await self.engine.add_request(prompt, params, request_id)
+            out = await gen.__anext__() if first else None
         except (ValueError, TypeError) as e:
             raise APIError(label + str(e), P.error_param(str(e), renames)) from None
         except EngineOverloaded as e:
@@ -151,7 +155,7 @@ class Server:
                            type="service_unavailable") from None
         except (EngineClosed, EngineStepFailed) as e:
             raise _engine_error(e) from None
-        return first, gen
+        return out, gen
 
     def _room(self, ids) -> int | None:
         """The tokens max_model_len leaves after a prompt of ``ids`` (None: not counted)."""
@@ -330,7 +334,7 @@ async def _chunks(req, params, started, head, choice, opening: dict | None = Non
     options = req.stream_options
     continuous = bool(options and options.continuous_usage_stats)
     include_usage = continuous or bool(options and options.include_usage)
-    lasts = [first for first, _ in started]          # each sequence's latest output
+    lasts = [first for first, _ in started]          # each sequence's latest output (or None)
     counts = [0] * len(started)                      # its tokens sent so far
 
     def chunk(i: int, choice: dict, **extra) -> dict:   # vLLM's: the choice's own usage
@@ -339,9 +343,7 @@ async def _chunks(req, params, started, head, choice, opening: dict | None = Non
                 **({"usage": usage} if include_usage else {}), **extra}
 
     async def one(i: int, first, gen) -> AsyncIterator[dict]:
-        if opening is not None:
-            yield chunk(i, opening)
-        delta = Delta()
+        opened, delta = opening is None, Delta()
         async with contextlib.aclosing(_chain(first, gen)) as outs:
             try:
                 async for out in outs:
@@ -349,6 +351,9 @@ async def _chunks(req, params, started, head, choice, opening: dict | None = Non
                         yield err.body()
                         return
                     lasts[i] = out
+                    if not opened:                  # with the sequence's first output
+                        opened = True
+                        yield chunk(i, opening)
                     text, ids, entries, offset = delta.take(out)
                     counts[i] += len(ids)
                     reason = out.outputs[0].finish_reason if out.finished else None
@@ -422,12 +427,15 @@ def _certificate_header(out) -> dict:
 
 
 async def _chain(first, gen) -> AsyncIterator:
-    """The first output, then the rest; closing it closes (and so aborts) the request."""
+    """The first output (if it came already), then the rest; closing it closes (and so aborts)
+    the request."""
     try:
-        yield first
-        if not first.finished:
-            async for out in gen:
-                yield out
+        if first is not None:
+            yield first
+            if first.finished:
+                return
+        async for out in gen:
+            yield out
     finally:
         await gen.aclose()
 
@@ -456,13 +464,20 @@ async def _parse(raw: Request, model):
     the content type says, as OpenAI's clients and curl -d both send JSON)."""
     try:
         data = json.loads(await raw.body())
+    except RecursionError:
+        raise APIError("malformed JSON: nested too deeply") from None
     except ValueError as e:
         raise APIError(f"malformed JSON: {e}") from None
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise APIError("the body is nested too deeply") from None
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = [str(x) for x in err.get("loc", ())]
+        if loc[:1] == ["prompt"] and model is P.CompletionRequest and err["type"] != "missing":
+            raise APIError("prompt: must be a string, a list of strings, a list of token ids "
+                           "or a list of token-id lists", "prompt") from None    # not one form's
         path = ".".join(loc) or "body"
         raise APIError(f"{path}: {err.get('msg')}", loc[0] if loc else None) from None
 

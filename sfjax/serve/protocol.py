@@ -8,7 +8,7 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from sfjax.sampling_params import SamplingParams
 
@@ -77,28 +77,28 @@ class _SamplingRequest(_Request):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: StrictInt = 1
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: StrictInt = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False   # logprobs' tokens as "token_id:N"
     # sfjax's: speculation per request
@@ -108,19 +108,19 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     add_special_tokens: bool = True             # vLLM's: the tokenizer's BOS before a text prompt
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     add_generation_prompt: bool = True          # vLLM's
     add_special_tokens: bool = False            # vLLM's: the template writes them
     chat_template_kwargs: dict[str, Any] | None = None    # vLLM's: more template variables
@@ -138,7 +138,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 # -- requests to SamplingParams -----------------------------------------------------------------
@@ -204,10 +204,14 @@ def max_tokens_for(given: int | None, base: int | None, defaults: dict[str, Any]
 
 def completion_params(req: CompletionRequest, defaults: dict[str, Any],
                       room: int | None) -> SamplingParams:
-    for field, ok in (("echo", not req.echo), ("suffix", req.suffix is None),
-                      ("best_of", req.best_of in (None, 1))):
-        if not ok:
-            raise APIError(f"{field} is not offered", field)
+    if req.echo:
+        raise APIError("echo = true is not offered (sfjax allows false or null)", "echo")
+    if req.suffix is not None:
+        raise APIError(f"suffix = {json.dumps(req.suffix)[:80]} is not offered (sfjax allows "
+                       "null)", "suffix")
+    if req.best_of is not None and req.best_of != req.n:     # best_of == n: n's choices
+        raise APIError(f"best_of = {req.best_of}: must be n ({req.n}) or null (sfjax returns "
+                       "every sequence it samples)", "best_of")
     return sampling_params(req, defaults, max_tokens=max_tokens_for(req.max_tokens, 16, defaults,
                                                                     room),
                            logprobs=req.logprobs, renames={})
