@@ -86,22 +86,18 @@ def _filter(x, top_k, top_p, min_p):
     return jnp.where(keys >= _threshold(keys, _softmax(x), p_target)[:, None], x, -jnp.inf)
 
 
-def _finite(x):
-    return jnp.abs(x) < jnp.inf          # (no is_finite in every Pallas lowering)
-
-
 def _tempered(logits, temperature, sampled):
     """logits / T for the sampled rows (/ 1 for the greedy ones). A row where that leaves
-    float32's range (a tiny T: a finite logit gone to +-inf, and the softmax then NaN
-    everywhere, which drew token 0 whatever was allowed) is (logits - its max) / T instead: the
-    same distribution, in range, its top tokens at 0. Every other row keeps logits / T, bit for
-    bit."""
+    float32's range (a tiny T: a logit gone to +inf, or every finite one to -inf; the softmax
+    was then NaN everywhere, and the draw token 0 whatever was allowed) is (logits - its max) /
+    T instead: the same distribution, in range, its top tokens at 0. Every other row keeps
+    logits / T bit for bit, and only a call with such a row pays for more than two maxima."""
     t = jnp.where(sampled, temperature, 1.0)[:, None]
     x = logits / t
-    finite = _finite(logits)
-    lost = jnp.max((finite & ~_finite(x)).astype(jnp.int32), axis=-1, keepdims=True) > 0
-    m = jnp.max(jnp.where(finite, logits, -jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(lost, (logits - jnp.where(lost, m, 0.0)) / t, x)
+    top, m = jnp.max(x, axis=-1, keepdims=True), jnp.max(logits, axis=-1, keepdims=True)
+    lost = (top == jnp.inf) | ((top == -jnp.inf) & (m > -jnp.inf))
+    return lax.cond(_any(lost), lambda: jnp.where(lost, (logits - jnp.where(lost, m, 0.0)) / t, x),
+                    lambda: x)
 
 
 def processed_logits(logits, temperature, top_k, top_p, min_p):
