@@ -29,7 +29,9 @@ submit time (everything is submitted at t = 0), mean over requests.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -116,7 +118,10 @@ def main() -> None:
 
     from sfjax import LLM, toy
     print(machine())
-    root = args.workdir or tempfile.mkdtemp(prefix="sfjax-bench-serving-")
+    root = args.workdir
+    if root is None:                 # a scratch folder, removed at exit
+        root = tempfile.mkdtemp(prefix="sfjax-bench-serving-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
     cfg = toy.tiny_config() if args.smoke else toy.llama_68m_config()
     folder = toy.build_model_folder(os.path.join(root, "model"), cfg, seed=0)
     work = workloads(args.requests, cfg.vocab_size, args.smoke)

@@ -26,7 +26,9 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_force_host_platform_device_count=8"]).strip()
 
 import argparse  # noqa: E402
+import atexit  # noqa: E402
 import dataclasses  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -58,7 +60,10 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.max_tokens, args.prompt_len = 8, 16
-    workdir = args.workdir or tempfile.mkdtemp(prefix="sfjax-bench-tp-")
+    workdir = args.workdir
+    if workdir is None:                 # a scratch folder, removed at exit
+        workdir = tempfile.mkdtemp(prefix="sfjax-bench-tp-")
+        atexit.register(shutil.rmtree, workdir, ignore_errors=True)
     folder = model_folder(workdir, args.smoke)
     meshes = [tuple(int(v) for v in m.split("x")) for m in args.meshes.split(",")]
     print(f"jax {jax.__version__}, {jax.device_count()} fake {jax.default_backend()} devices, "
