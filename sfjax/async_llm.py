@@ -157,12 +157,12 @@ class AsyncLLM:
         """Admits the request (ValueError / TypeError naming the field if it is refused) and
         yields its RequestOutputs (cumulative; ``new_token_ids`` since the last one yielded)
         until the finished one. Leaving early (cancelled, closed) aborts it."""
-        outputs = await self.add_request(prompt, sampling_params, request_id)
+        outputs = await self.admit(prompt, sampling_params, request_id)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 yield out
 
-    async def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
+    async def admit(self, prompt: Any, sampling_params: SamplingParams | None = None,
                           request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """``generate`` in two parts: returns once the request is admitted (or raises as
         ``generate`` does), with the generator of its outputs. Closing that generator before

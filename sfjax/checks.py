@@ -17,7 +17,10 @@ class InvalidType(TypeError, ValueError):
 def _shown(value: Any, limit: int = 80) -> str:
     """``value``'s repr for a message, cut to ``limit`` characters (an error about a long
     prompt does not send the prompt back)."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "(nested too deeply to show)"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

@@ -256,10 +256,18 @@ def _penalize(logits, b: SamplingBatch, history):
     rows = jnp.arange(r)[:, None]
     counts = jnp.zeros((r, v), jnp.float32).at[rows, hist].add(out.astype(jnp.float32))
     seen = jnp.zeros((r, v), jnp.bool_).at[rows, hist].max(known)
+    # a penalty that would take a seen logit past float32's range (a tiny or a huge one) is
+    # bounded for its row so that the row's largest stays in range and the order is kept; any
+    # other row's penalty is its own, so its bits are too (a masked -inf stays -inf)
     rep = b.repetition[:, None]
-    scaled = jnp.clip(jnp.where(logits > 0, logits / rep, logits * rep), -F32_MAX, F32_MAX)
-    # held in float32's range (a tiny or huge repetition_penalty), a masked -inf kept as it is
-    logits = jnp.where(seen & (jnp.abs(logits) < jnp.inf), scaled, logits)
+    finite = seen & (jnp.abs(logits) < jnp.inf)
+    top = jnp.max(jnp.where(finite & (logits > 0), logits, 0.0), axis=-1, keepdims=True)
+    low = jnp.max(jnp.where(finite & (logits < 0), -logits, 0.0), axis=-1, keepdims=True)
+    # (powers of two: XLA turns / F32_MAX into * 1 / F32_MAX, a subnormal, flushed to 0)
+    up, down = jnp.maximum(rep, top * 2.0 ** -126), jnp.minimum(rep, 2.0 ** 126 / low)
+    scaled = jnp.where(logits > 0, jnp.minimum(logits / up, F32_MAX),
+                       jnp.maximum(logits * down, -F32_MAX))
+    logits = jnp.where(finite, scaled, logits)
     return logits - b.frequency[:, None] * counts - b.presence[:, None] * (counts > 0)
 
 

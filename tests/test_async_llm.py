@@ -428,19 +428,19 @@ def test_shutdown_ends_what_a_step_outlasting_its_grace_holds(llm, step_ends):
         engine.close()
 
 
-def test_add_request_returns_once_admitted(llm):
-    """``add_request``: a refusal raises before any output; the generator it returns gives what
+def test_admit_returns_once_admitted(llm):
+    """``admit``: a refusal raises before any output; the generator it returns gives what
     ``generate`` gives; one dropped unread is closed by asyncio, which aborts its request."""
     ref = llm.generate(PROMPTS[1], _params(1), use_tqdm=False)[0].outputs[0].token_ids
     engine = AsyncLLM.from_llm(llm)
 
     async def main():
         with pytest.raises(ValueError, match="max_tokens"):
-            await engine.add_request(PROMPTS[0], SamplingParams(max_tokens=10**6), "a")
-        outs = await engine.add_request(PROMPTS[1], _params(1), "a")     # its id free again
+            await engine.admit(PROMPTS[0], SamplingParams(max_tokens=10**6), "a")
+        outs = await engine.admit(PROMPTS[1], _params(1), "a")     # its id free again
         got = [out async for out in outs]
         assert got[-1].finished and got[-1].outputs[0].token_ids == ref
-        left = await engine.add_request(PROMPTS[2], _params(2, 60), "b")
+        left = await engine.admit(PROMPTS[2], _params(2, 60), "b")
         del left
         gc.collect()
         await _until(lambda: _idle(engine))             # aborted, its id and blocks freed

@@ -309,7 +309,7 @@ def test_logits_past_float32s_range_draw_what_they_mean(llm):
     """A tiny temperature (logits / T past float32's largest) or repetition_penalty (a seen
     logit / it) made the softmax NaN, and with top-k, top-p or min-p every draw was token 0,
     even outside allowed_token_ids. A tiny T now draws the argmax, as greedy does, by kernel and
-    reference alike; a tiny repetition_penalty a token seen before; in range, the bits are
+    reference alike; a tiny repetition_penalty keeps the seen logits' order; in range, the bits are
     as they were (``test_exact_distribution_by_enumerating_the_noise`` and the golden runs)."""
     logits = np.random.default_rng(2).standard_normal((8, 40)).astype(np.float32) * 40
     logits[:, 5] = -np.inf                                     # a masked token stays masked
@@ -325,8 +325,20 @@ def test_logits_past_float32s_range_draw_what_they_mean(llm):
     allowed = dict(logit_bias={100: 100}, allowed_token_ids=[100, 200, 300])
     assert run(temperature=1e-37, top_k=3, **allowed).token_ids == [100] * 6
     assert run(temperature=1e-37, top_p=0.9).token_ids == run(temperature=0).token_ids
-    ids = run(temperature=0.8, top_p=0.9, repetition_penalty=1e-38).token_ids
-    assert all(t in [5, 6, 7, 8, 9] + ids[:i] for i, t in enumerate(ids)), ids
+    # a seen logit / 1e-38 past float32's largest: held in range, the seen logits' order kept
+    # (clipped, they tied, and the lowest id won whatever the logits or the seed)
+    logits = np.zeros((1, 12), np.float32)
+    logits[0, 3], logits[0, 9] = 2.0, 5.0
+    one = lambda x, dtype=np.float32: np.full(1, x, dtype)
+    b = S.SamplingBatch(
+        temperature=one(1.0), top_k=one(0, np.int32), top_p=one(1.0), min_p=one(0.0),
+        presence=one(0.0), frequency=one(0.0), repetition=one(1e-38),
+        key_data=np.zeros((1, 2), np.uint32), position=one(0, np.int32), slot=one(0, np.int32),
+        seq_pos=one(1, np.int32), prompt_len=one(2, np.int32), suppress=np.full((1, 1), -1, np.int32),
+        bias_ids=np.full((1, 1), -1, np.int32), bias=np.zeros((1, 1), np.float32),
+        allowed=np.full((1, 1), -1, np.int32), target=one(-1, np.int32))
+    x = np.asarray(S.process(jnp.asarray(logits), b, jnp.asarray([[3, 9, 0, 0]], np.int32)))[0]
+    assert np.isfinite(x).all() and x[9] > x[3] > 1e37 and x.argmax() == 9, x
 
 
 def test_n_completions_per_prompt_as_vllm_samples_them(llm):

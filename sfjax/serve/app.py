@@ -146,7 +146,7 @@ class Server:
         """Admits one sequence (``label``: its prompt's place in a batch, for its errors) and,
         if ``first``, waits for its first output."""
         try:
-            gen = await self.engine.add_request(prompt, params, request_id)
+            gen = await self.engine.admit(prompt, params, request_id)
             out = await gen.__anext__() if first else None
         except (ValueError, TypeError) as e:
             raise APIError(label + str(e), P.error_param(str(e), renames)) from None

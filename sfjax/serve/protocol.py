@@ -164,7 +164,10 @@ def sampling_params(req: _SamplingRequest, defaults: dict[str, Any], *, max_toke
     refused value raises APIError(400) naming its field."""
     for field, value in (req.model_extra or {}).items():
         if field in _NOT_OFFERED and value not in _NOT_OFFERED[field]:
-            shown = json.dumps(value)
+            try:
+                shown = json.dumps(value)
+            except RecursionError:
+                shown = "(nested too deeply to show)"
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise APIError(f"{field} = {shown} is not offered (sfjax allows "
                            f"{' or '.join(map(json.dumps, _NOT_OFFERED[field]))})", field)
