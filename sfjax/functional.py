@@ -128,6 +128,9 @@ def _weights(weights, draft_weights, cfg: Config):
                              "(sfjax.spec.eagle.load(folder, target)[1])")
         return weights, eagle.place(draft_weights, weights.embed)
     if cfg.draft is None:
+        if draft_weights is not None:
+            raise ValueError("draft_weights: given, but cfg has no speculative method that "
+                             "drafts from weights (it would be ignored)")
         return weights, None
     if draft_weights is None:
         raise ValueError("draft_weights: the draft_model method needs the draft's weights")
@@ -203,8 +206,13 @@ def _rows_agree(prompt_ids, prompt_lens, sampling: Sampling, vocab_size: int) ->
         raise ValueError(f"prompt_ids: must be an int array [B, P] with B >= 1, got "
                          f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
     s, p = prompt_ids.shape
+    lens = None
     if isinstance(prompt_lens, (np.ndarray, list, tuple)):   # on the host: checked here
-        lens = np.asarray(prompt_lens)
+        try:
+            lens = np.asarray(prompt_lens)
+        except jax.errors.TracerArrayConversionError:       # a list of traced values
+            prompt_lens = jnp.asarray(prompt_lens)
+    if lens is not None:
         if lens.size and not (lens.min() >= 0 and lens.max() <= p):
             raise ValueError(f"prompt_lens: {lens.tolist()} must lie in [0, {p}] (prompt_ids' width)")
     fields = [("prompt_ids", prompt_ids, (p,), "int"), ("prompt_lens", prompt_lens, (), "int")] + [
@@ -219,6 +227,9 @@ def _rows_agree(prompt_ids, prompt_lens, sampling: Sampling, vocab_size: int) ->
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
         if not jnp.issubdtype(dtype, _KINDS[kind][0]):
             raise C.InvalidType(f"{name}: dtype {dtype} must be {_KINDS[kind][1]}")
+    if np.shape(sampling.bias) != np.shape(sampling.bias_ids):
+        raise ValueError(f"sampling.bias: shape {np.shape(sampling.bias)} must be "
+                         f"sampling.bias_ids' {np.shape(sampling.bias_ids)} (a bias per id)")
     for name in ("stop_ids", "bias_ids", "allowed"):
         ids = getattr(sampling, name)
         if isinstance(ids, np.ndarray) and ids.size and not (
@@ -478,7 +489,25 @@ def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
     """Runs ``num_rounds`` rounds (plain: one token per live row; speculative: up to k + 1).
     Finished rows take no part; ``num_rounds`` may be traced."""
     w, dw = _weights(weights, draft_weights, cfg)
+    _state_fits(state, cfg)
+    if isinstance(num_rounds, (int, float, np.integer, np.floating)) or num_rounds is None:
+        num_rounds = C.integer("num_rounds", num_rounds, 0)
     return lax.fori_loop(0, num_rounds, lambda _, st: _round(w, dw, st, cfg), state)
+
+
+def _state_fits(state, cfg: Config) -> None:
+    """A state ``prefill`` built for another config (its max_model_len, block size, or whether
+    a proposer keeps a cache) is refused naming what differs; the rounds read it as this one."""
+    if not isinstance(state, State):
+        raise C.InvalidType(f"state: must be a functional.State, got {type(state).__name__}")
+    built = {"max_model_len": state.history.shape[1], "block_size": state.cache.k.shape[2],
+             "a proposer's cache": state.draft_cache is not None}
+    wants = {"max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+             "a proposer's cache": cfg.draft is not None or cfg.head is not None}
+    for what, have in built.items():
+        if have != wants[what]:
+            raise ValueError(f"state: built with {what} {have}, but cfg has {wants[what]} (a "
+                             f"state is decoded with the config prefill built it with)")
 
 
 def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, until_one_ends=False,
@@ -551,6 +580,7 @@ def _record(report, start, emitted, ids, vals):
 
 def outputs(state: State, width: int) -> Outputs:
     """The first ``width`` output tokens of each row, with lengths and acceptance counts."""
+    width = C.integer("width", width, 0)
     p = state.progress
     n = p.length - p.prompt_len
     j = jnp.arange(width)[None, :]
@@ -567,7 +597,7 @@ def generate(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cf
     max_model_len - 1, what a one-token prompt may give (a narrower one cuts rows' tokens past
     it; ``num_tokens`` still counts them)."""
     w, dw = _weights(weights, draft_weights, cfg)
+    width = cfg.max_model_len - 1 if width is None else C.integer("width", width, 0)
     state = _prefill(w, dw, prompt_ids, prompt_lens, sampling, cfg)
     state = lax.while_loop(lambda st: jnp.any(~st.done), lambda st: _round(w, dw, st, cfg), state)
-    width = cfg.max_model_len - 1 if width is None else C.integer("width", width, 0)
     return outputs(state, width)

@@ -80,13 +80,18 @@ class Sampling(_Filters):
 
     @classmethod
     def from_params(cls, params: SamplingParams | Sequence[SamplingParams], *,
-                    eos_token_ids: Sequence[int], batch: int | None = None) -> "Sampling":
+                    eos_token_ids: Sequence[int], batch: int | None = None,
+                    vocab_size: int | None = None) -> "Sampling":
         """The table for a batch of ``sfjax.functional`` rows from ``SamplingParams`` (one for
         all ``batch`` rows, or one per row).
 
         ``eos_token_ids`` end a row unless its params ``ignore_eos`` (``LLM`` uses the model's
         generation_config). Sampled rows need a ``seed``. Fields that need the host between
         tokens (stop strings, logprobs, per-request speculation settings) are refused.
+        ``vocab_size`` (the model's): token ids in the params past it are refused here, as
+        ``LLM`` refuses them; without it they are checked only where the table reaches
+        ``functional.prefill`` / ``generate`` as host arrays (not inside a caller's ``jit``,
+        where an id past the vocabulary is dropped).
         """
         batch = integer("batch", batch, 1, optional=True)
         params = [params] * (batch or 1) if isinstance(params, SamplingParams) else list(params)
@@ -106,6 +111,8 @@ class Sampling(_Filters):
             if p.seed is None and p.temperature > 0:
                 raise ValueError("SamplingParams.seed: sampled rows need a seed in sfjax.functional")
             p.check_draws(eos_token_ids)
+            if vocab_size is not None:
+                p.validate_for(integer("vocab_size", vocab_size, 1), eos_token_ids)
         return cls.placed(params, [request_key_data(p.seed or 0) for p in params],
                           [p.max_tokens or INT32_MAX for p in params],
                           eos_token_ids=eos_token_ids)

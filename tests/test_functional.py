@@ -245,6 +245,44 @@ def test_prompt_rows_and_sampling_rows_must_agree(pair):
                           pair["weights"]).token_ids.shape == (3, 0)
 
 
+def test_what_a_callers_jit_hides_is_checked_where_it_can_be(pair):
+    """Inside a caller's ``jit`` the table and prompt_lens arrive traced, so what ``LLM``
+    refuses ran silently (an allowed id past the vocabulary dropped, every row token 0 when all
+    were), and misuse gave raw errors: ids are checked by ``from_params`` given the vocabulary;
+    a state decoded with another config's max_model_len, block size or proposer, a bias table
+    narrower than its ids, draft weights a plain config would ignore, and bad widths or round
+    counts are refused naming them; prompt_lens as a list of traced values is taken."""
+    cfg = F.Config(pair["cfg"], MAX_LEN)
+    w = pair["weights"]
+    ids, lens = F.pad_prompts(_prompts(0, 3))
+    with pytest.raises(ValueError, match=r"allowed_token_ids = 5000 is out of range"):
+        F.Sampling.from_params(SamplingParams(temperature=0, allowed_token_ids=[5000, 7]),
+                               eos_token_ids=(), batch=3, vocab_size=pair["cfg"].vocab_size)
+    three = F.Sampling.from_params(_params(0)[:3], eos_token_ids=(), vocab_size=512)
+    state = F.prefill(w, ids, lens, three, cfg)
+    for other, what in ((F.Config(pair["cfg"], MAX_LEN // 2), "max_model_len"),
+                        (F.Config(pair["cfg"], MAX_LEN, block_size=8), "block_size"),
+                        (F.Config(pair["cfg"], MAX_LEN, speculative_config={
+                            "method": "draft_model", "model": pair["cfg"],
+                            "num_speculative_tokens": 2}), "a proposer's cache")):
+        with pytest.raises(ValueError, match=f"^state: built with {what} "):
+            F.decode(w, state, other, 1, w if what == "a proposer's cache" else None)
+    for bad, match in ((2.5, r"^num_rounds = 2.5 has type float"),
+                       (None, r"^num_rounds = None has type NoneType")):
+        with pytest.raises(TypeError, match=match):
+            F.decode(w, state, cfg, bad)
+    with pytest.raises(ValueError, match=r"^width = -1 is out of range"):
+        F.outputs(state, -1)
+    with pytest.raises(ValueError, match=r"^width = -1 is out of range"):
+        jax.eval_shape(lambda x: F.generate(x, ids, lens, three, cfg, width=-1), w)
+    with pytest.raises(ValueError, match=r"^sampling\.bias: shape \(3, 3\) must be"):
+        F.prefill(w, ids, lens, dataclasses.replace(three, bias=np.zeros((3, 3), np.float32)), cfg)
+    with pytest.raises(ValueError, match=r"^draft_weights: given, but cfg has no speculative"):
+        F.prefill(w, ids, lens, three, cfg, draft_weights=w)
+    traced = jax.jit(lambda n: F.prefill(w, ids, [n[0], n[1], n[2]], three, cfg).progress.length)
+    np.testing.assert_array_equal(traced(lens), state.progress.length)
+
+
 def test_outside_jit_the_callers_table_is_kept_and_traced_prompt_lens_are_clipped(pair):
     """An eager ``prefill`` copies the table it is given (its rounds donate their state: the
     caller's arrays were deleted), and ``prompt_lens`` past P, traced where no check can raise,
