@@ -73,6 +73,9 @@ class IncrementalDetokenizer:
     (vLLM's); the prompt's broken bytes are not, where it does not."""
 
     CONTEXT = (5, 24)       # prompt tokens decoded before the output's: the fewest that decode
+    HOLD = 16               # ids held back for a character at most: a run of bytes that never
+                            # makes one (a UTF-8 character has 4) is given out as U+FFFD, else
+                            # each token decoded the whole run again (quadratic)
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  prompt_ids: list[int] | tuple[int, ...] = ()):
@@ -130,7 +133,8 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         decode = self._decode
         before, after = decode(self._ids[self._start:self._read]), decode(self._ids[self._start:])
-        if after == before or not final and after.endswith("\ufffd"):
+        if after == before or (not final and after.endswith("\ufffd")
+                               and len(self._ids) - self._read <= self.HOLD):
             return ""
         start = self._read       # the next window: from the ids just given out
         if after.startswith(before):

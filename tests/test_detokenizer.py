@@ -74,6 +74,25 @@ def test_bytes_that_break_a_decoded_run_do_not_fail_the_text():
     assert seen == ["er", "er\n", "er\n", "er\n", text] and text.endswith("er")
 
 
+def test_a_run_of_bytes_that_never_make_a_character_is_decoded_once(tokenizer):
+    """2,000 ids of byte 0xFF (a broken model, or allowed_token_ids of byte tokens): each id
+    decoded the whole held run again (2,000 ids: two million decoded, quadratic); a run longer
+    than ``HOLD`` ids is given out as U+FFFD, so each id is decoded a bounded number of times,
+    and the text is still the decode of all of them."""
+    kind, tok = tokenizer
+    byte = 189 if kind == "byte_level" else 2 + 0xFF
+    assert tok.decode([byte]) == "\ufffd"
+    d = IncrementalDetokenizer(tok, True, [5, 6, 7])
+    decoded, decode = [0], d._decode
+    d._decode = lambda ids: decoded.__setitem__(0, decoded[0] + len(ids)) or decode(ids)
+    for _ in range(2000):
+        d.add(byte)
+    d.finish()
+    assert decoded[0] < 100 * 2000, decoded
+    head = tok.decode([5, 6, 7])
+    assert d.text == "\ufffd" * 2000 == tok.decode([5, 6, 7] + [byte] * 2000)[len(head):]
+
+
 def test_output_text_keeps_the_leading_space_after_the_prompt(tokenizer):
     """The output is decoded after the prompt: prompt text + output text is the decode of
     prompt + output ids (``tokenizers`` alone strips a SentencePiece output's leading space)."""
