@@ -163,7 +163,7 @@ class AsyncLLM:
                 yield out
 
     async def admit(self, prompt: Any, sampling_params: SamplingParams | None = None,
-                          request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                    request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """``generate`` in two parts: returns once the request is admitted (or raises as
         ``generate`` does), with the generator of its outputs. Closing that generator before
         its finished output (or dropping it: asyncio closes it) aborts the request; a server

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 class InvalidType(TypeError, ValueError):
@@ -14,22 +14,22 @@ class InvalidType(TypeError, ValueError):
     bad input as ValueError (the CLI, the server) handle it as well."""
 
 
-def _shown(value: Any, limit: int = 80) -> str:
-    """``value``'s repr for a message, cut to ``limit`` characters (an error about a long
-    prompt does not send the prompt back)."""
+def shown(value: Any, render: Callable[[Any], str] = repr, limit: int = 80) -> str:
+    """``value`` rendered for a message (``repr``, or e.g. ``json.dumps``), cut to ``limit``
+    characters: an error about a long prompt does not send the prompt back."""
     try:
-        text = repr(value)
+        text = render(value)
     except RecursionError:
         return "(nested too deeply to show)"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _bad_type(field: str, value: Any, allowed: str) -> TypeError:
-    return InvalidType(f"{field} = {_shown(value)} has type {type(value).__name__}: must be {allowed}")
+    return InvalidType(f"{field} = {shown(value)} has type {type(value).__name__}: must be {allowed}")
 
 
 def _out_of_range(field: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{field} = {_shown(value)} is out of range: must be {allowed}")
+    return ValueError(f"{field} = {shown(value)} is out of range: must be {allowed}")
 
 
 def _span(lo, hi) -> str:
@@ -79,7 +79,7 @@ def boolean(field: str, value: Any) -> bool:
 
 def one_of(field: str, value: Any, choices: Sequence) -> Any:
     if not any(value == c and type(value) is type(c) for c in choices):
-        raise ValueError(f"{field} = {_shown(value)}: must be one of {', '.join(map(repr, choices))}")
+        raise ValueError(f"{field} = {shown(value)}: must be one of {', '.join(map(repr, choices))}")
     return value
 
 
@@ -92,7 +92,7 @@ def text(field: str, value: Any, *, optional: bool = False) -> str | None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{field} = {_shown(value)} is not valid text: must be valid UTF-8 "
+        raise ValueError(f"{field} = {shown(value)} is not valid text: must be valid UTF-8 "
                          f"({e.reason} at position {e.start})") from None
     return value
 

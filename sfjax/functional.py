@@ -206,15 +206,15 @@ def _rows_agree(prompt_ids, prompt_lens, sampling: Sampling, vocab_size: int) ->
         raise ValueError(f"prompt_ids: must be an int array [B, P] with B >= 1, got "
                          f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
     s, p = prompt_ids.shape
-    lens = None
-    if isinstance(prompt_lens, (np.ndarray, list, tuple)):   # on the host: checked here
+    if isinstance(prompt_lens, (list, tuple)):
         try:
-            lens = np.asarray(prompt_lens)
+            prompt_lens = np.asarray(prompt_lens)
         except jax.errors.TracerArrayConversionError:       # a list of traced values
             prompt_lens = jnp.asarray(prompt_lens)
-    if lens is not None:
-        if lens.size and not (lens.min() >= 0 and lens.max() <= p):
-            raise ValueError(f"prompt_lens: {lens.tolist()} must lie in [0, {p}] (prompt_ids' width)")
+    if isinstance(prompt_lens, np.ndarray) and prompt_lens.size:    # on the host: checked here
+        if not (prompt_lens.min() >= 0 and prompt_lens.max() <= p):
+            raise ValueError(f"prompt_lens: {prompt_lens.tolist()} must lie in [0, {p}] "
+                             f"(prompt_ids' width)")
     fields = [("prompt_ids", prompt_ids, (p,), "int"), ("prompt_lens", prompt_lens, (), "int")] + [
         (f"sampling.{f.name}", getattr(sampling, f.name),
          *_SAMPLING_SHAPES.get(f.name, ((), "float"))) for f in dataclasses.fields(sampling)]
@@ -490,7 +490,7 @@ def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
     Finished rows take no part; ``num_rounds`` may be traced."""
     w, dw = _weights(weights, draft_weights, cfg)
     _state_fits(state, cfg)
-    if isinstance(num_rounds, (int, float, np.integer, np.floating)) or num_rounds is None:
+    if not isinstance(num_rounds, (jax.Array, np.ndarray)):   # a Python value: checked here
         num_rounds = C.integer("num_rounds", num_rounds, 0)
     return lax.fori_loop(0, num_rounds, lambda _, st: _round(w, dw, st, cfg), state)
 

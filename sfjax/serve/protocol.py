@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from sfjax.checks import shown
 from sfjax.sampling_params import SamplingParams
 
 # JSON has no -inf; vLLM reports a masked token's logprob as this
@@ -164,12 +165,7 @@ def sampling_params(req: _SamplingRequest, defaults: dict[str, Any], *, max_toke
     refused value raises APIError(400) naming its field."""
     for field, value in (req.model_extra or {}).items():
         if field in _NOT_OFFERED and value not in _NOT_OFFERED[field]:
-            try:
-                shown = json.dumps(value)
-            except RecursionError:
-                shown = "(nested too deeply to show)"
-            shown = shown if len(shown) <= 80 else shown[:77] + "..."
-            raise APIError(f"{field} = {shown} is not offered (sfjax allows "
+            raise APIError(f"{field} = {shown(value, json.dumps)} is not offered (sfjax allows "
                            f"{' or '.join(map(json.dumps, _NOT_OFFERED[field]))})", field)
     try:
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
@@ -210,7 +206,7 @@ def completion_params(req: CompletionRequest, defaults: dict[str, Any],
     if req.echo:
         raise APIError("echo = true is not offered (sfjax allows false or null)", "echo")
     if req.suffix is not None:
-        raise APIError(f"suffix = {json.dumps(req.suffix)[:80]} is not offered (sfjax allows "
+        raise APIError(f"suffix = {shown(req.suffix, json.dumps)} is not offered (sfjax allows "
                        "null)", "suffix")
     if req.best_of is not None and req.best_of != req.n:     # best_of == n: n's choices
         raise APIError(f"best_of = {req.best_of}: must be n ({req.n}) or null (sfjax returns "
