@@ -705,6 +705,38 @@ def test_request_failure(tiny_folder, llm):
     asyncio.run(main())
 
 
+def test_a_stream_sends_what_a_failed_request_made_before_its_error():
+    """A failed request's output is cumulative: when its consumer took none of the outputs
+    before it (they merged into the error's), the stream still sends the text and ids it had
+    made, then the error event. (test_request_failure's stream reads them as they come, so
+    whether they merged there depends on timing.)"""
+    from types import SimpleNamespace
+    from sfjax.outputs import CompletionOutput, RequestOutput
+    from sfjax.serve.app import _chunks
+
+    failed = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "ab", [7, 8],
+                                                                finish_reason="error")],
+                           finished=True, error="RuntimeError: boom")
+
+    async def nothing_more():
+        return
+        yield
+
+    async def events():
+        return [c async for c in _chunks(
+            SimpleNamespace(stream_options=None), None, [(failed, nothing_more())],
+            dict, lambda out, text, ids, entries, offset, reason: {
+                "text": text, "token_ids": ids, "finish_reason": reason},
+            opening={"role": "assistant"})]
+
+    got = asyncio.run(events())
+    assert [c.get("choices") for c in got[:2]] == [
+        [{"role": "assistant", "index": 0}],
+        [{"text": "ab", "token_ids": [7, 8], "finish_reason": None, "index": 0}]]
+    assert len(got) == 3 and got[2]["error"]["type"] == "internal_error"
+    assert "RuntimeError: boom" in got[2]["error"]["message"]
+
+
 def test_the_models_generation_config_sets_the_sampling_defaults(tiny_folder, tmp_path):
     """As in vLLM, generation_config.json's temperature, top_p, top_k, min_p,
     repetition_penalty and max_new_tokens are the defaults: of ``LLM.generate`` and

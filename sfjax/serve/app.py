@@ -347,19 +347,21 @@ async def _chunks(req, params, started, head, choice, opening: dict | None = Non
         async with contextlib.aclosing(_chain(first, gen)) as outs:
             try:
                 async for out in outs:
-                    if (err := _error_of(out)) is not None:
+                    err = _error_of(out)
+                    text, ids, entries, offset = delta.take(out)
+                    if err is None or text or ids:  # a failed output: first what it made
+                        lasts[i] = out
+                        if not opened:              # with the sequence's first output
+                            opened = True
+                            yield chunk(i, opening)
+                        counts[i] += len(ids)
+                        reason = out.outputs[0].finish_reason if out.finished and not err else None
+                        if text or ids or reason is not None:
+                            yield chunk(i, choice(out, text, ids, entries, offset, reason), **(
+                                {"sfjax": P.sfjax_info(out)} if reason is not None else {}))
+                    if err is not None:
                         yield err.body()
                         return
-                    lasts[i] = out
-                    if not opened:                  # with the sequence's first output
-                        opened = True
-                        yield chunk(i, opening)
-                    text, ids, entries, offset = delta.take(out)
-                    counts[i] += len(ids)
-                    reason = out.outputs[0].finish_reason if out.finished else None
-                    if text or ids or reason is not None:
-                        yield chunk(i, choice(out, text, ids, entries, offset, reason),
-                                    **({"sfjax": P.sfjax_info(out)} if reason is not None else {}))
             except (EngineClosed, EngineStepFailed) as e:
                 yield _engine_error(e).body()
 
