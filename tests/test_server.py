@@ -282,6 +282,7 @@ def test_other_bad_requests_get_400(client, server):
          "stream_options"),
         (lambda: chat(stream=True, stream_options={"include_obfuscation": True}),
          "stream_options"),
+        (lambda: chat(stream_options={"include_usage": True}), "stream_options"),  # not streamed
     ]
     for j, (call, param) in enumerate(cases):
         with pytest.raises(openai.BadRequestError) as e:

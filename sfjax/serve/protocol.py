@@ -167,6 +167,8 @@ def sampling_params(req: _SamplingRequest, defaults: dict[str, Any], *, max_toke
         if field in _NOT_OFFERED and value not in _NOT_OFFERED[field]:
             raise APIError(f"{field} = {shown(value, json.dumps)} is not offered (sfjax allows "
                            f"{' or '.join(map(json.dumps, _NOT_OFFERED[field]))})", field)
+    if req.stream_options is not None and not req.stream:      # as OpenAI and vLLM refuse it
+        raise APIError("stream_options is only allowed with stream = true", "stream_options")
     try:
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     except ValueError:
