@@ -278,11 +278,11 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     # (the round donates the state it is given, a call outside jit: keep what it returns)
     st = dataclasses.replace(st, draft_cache=_draft_state(cfg, num_blocks, s))
     if cfg.head is not None:
-        st, drawn, _ = _round_step()(w, dw, st, batch, None, run=cfg)
+        st, drawn, _ = _round_step(st, batch)(w, dw, st, batch, None, run=cfg)
     else:
         dcache = st.draft_cache
-        st, drawn, _ = _round_step()(w, None, dataclasses.replace(st, draft_cache=None), batch,
-                                     None, run=cfg.plain())
+        st, drawn, _ = _round_step(st, batch)(w, None, dataclasses.replace(
+            st, draft_cache=None), batch, None, run=cfg.plain())
         if cfg.draft is not None:
             _, dcache = model.forward(dw, dcache, tokens, positions, slots, st.block_tables,
                                       cfg.draft, cfg.draft_tiling, attention=cfg.attention,
@@ -292,15 +292,19 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     return _commit(st, rows, live, drawn.tokens[:s, None], live.astype(jnp.int32), zeros, zeros)
 
 
-def _round_step():
-    """``round.round_step`` jitted afresh, for one trace of the caller's program. JAX keeps what
-    it traced a jitted function at (the jaxpr, per shape and static argument) in caches keyed
-    weakly on the Python function it wraps, one of them unbounded (``trace_to_jaxpr``): called
-    as the module-level function, every shape a process's programs ever traced a round at (each
-    widened sampling table's, each logprobs bucket's) stayed for the process's life, after the
-    engine had let those programs go (``engine.programs``: about 2 MB a shape on the tiny
-    model). A fresh ``functools.partial`` dies with the trace that made it, and its entries
-    with it; the round is traced as before, so the program is the same."""
+def _round_step(*args):
+    """``round.round_step`` for a call on ``args``: inside a trace, jitted afresh for it. JAX
+    keeps what it traced a jitted function at (the jaxpr, per shape and static argument) in
+    caches keyed weakly on the Python function it wraps, one of them unbounded
+    (``trace_to_jaxpr``): called as the module-level function inside the engine's programs,
+    every shape a process ever traced a round at (each widened sampling table's, each logprobs
+    bucket's) stayed for the process's life, after the engine had let those programs go
+    (``engine.programs``: about 2 MB a shape on the tiny model). A fresh ``functools.partial``
+    dies with the trace that made it, and its entries with it; the round is traced as before,
+    so the program is the same. Called eagerly (``prefill`` outside a jit), the module-level
+    function, whose compiled shapes jit keeps as it keeps any jitted function's."""
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+        return round_step
     return jax.jit(functools.partial(round_step.__wrapped__), static_argnames=("run",),
                    donate_argnames=("state",))
 
@@ -325,7 +329,8 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
     emit (``sampling.raw_logprobs``): (state, (logprob float32 [B, K1], rank, top ids and top
     logprobs [B, K1, 20]) by slot, entry j for the row's j-th token of the round, or None)."""
     batch, sb, laid = _layout(st, cfg, with_logprobs)
-    return _finish(*_round_step()(w, dw, st, batch, sb, run=cfg), cfg, laid, with_logprobs)
+    return _finish(*_round_step(st, batch)(w, dw, st, batch, sb, run=cfg), cfg, laid,
+                   with_logprobs)
 
 
 def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = None, host=None):
@@ -549,7 +554,7 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     laid_in = None if host is None else (
         host.batch.tokens.shape[0], host.batch.logit_rows.shape[0],
         None if host.draft is None else host.draft[0].shape[0])
-    step = _round_step()        # one for this trace: the shapes and the loop's body share it
+    step = _round_step(state)   # one for this trace: the shapes and the loop's body share it
 
     def one(i, st):
         mine = None if host is None else host.only_first(i == 0)
