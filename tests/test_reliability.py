@@ -490,7 +490,9 @@ def test_a_round_traced_leaves_nothing_in_jaxs_trace_cache(tiny_folder):
         fns = [k[0]() for k in pe.trace_to_jaxpr.cache_keys()]
         return sum(getattr(getattr(f, "func", f), "__name__", "") == "round_step" for f in fns)
 
-    llm = LLM(tiny_folder, max_num_seqs=2, max_model_len=64)
+    gc.collect()
+    before = round_step_entries()     # an eager F.prefill elsewhere in this process keeps its own
+    llm = LLM(tiny_folder, max_num_seqs=3, max_model_len=56)    # shapes no other test compiles
     outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2,
                         [SamplingParams(temperature=0, max_tokens=4, logprobs=1),
                          SamplingParams(temperature=0.8, seed=1, max_tokens=4,
@@ -498,7 +500,7 @@ def test_a_round_traced_leaves_nothing_in_jaxs_trace_cache(tiny_folder):
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     gc.collect()
-    assert round_step_entries() == 0
+    assert round_step_entries() == before
 
 
 @pytest.mark.slow
