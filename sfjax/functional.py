@@ -292,6 +292,10 @@ def _prefill(w, dw, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config) ->
     return _commit(st, rows, live, drawn.tokens[:s, None], live.astype(jnp.int32), zeros, zeros)
 
 
+# what a traced value is (``jax.core`` is shedding names across releases; this one's home)
+_TRACER = getattr(jax.core, "Tracer", None) or __import__("jax._src.core", fromlist=["Tracer"]).Tracer
+
+
 def _round_step(*args):
     """``round.round_step`` for a call on ``args``: inside a trace, jitted afresh for it. JAX
     keeps what it traced a jitted function at (the jaxpr, per shape and static argument) in
@@ -303,7 +307,7 @@ def _round_step(*args):
     dies with the trace that made it, and its entries with it; the round is traced as before,
     so the program is the same. Called eagerly (``prefill`` outside a jit), the module-level
     function, whose compiled shapes jit keeps as it keeps any jitted function's."""
-    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+    if not any(isinstance(x, _TRACER) for x in jax.tree.leaves(args)):
         return round_step
     return jax.jit(functools.partial(round_step.__wrapped__), static_argnames=("run",),
                    donate_argnames=("state",))
