@@ -558,13 +558,17 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
     laid_in = None if host is None else (
         host.batch.tokens.shape[0], host.batch.logit_rows.shape[0],
         None if host.draft is None else host.draft[0].shape[0])
-    step = _round_step(state)   # one for this trace: the shapes and the loop's body share it
+    step = _round_step(state)
 
-    def one(i, st):
+    def round_i(i, st):
         mine = None if host is None else host.only_first(i == 0)
         batch, sb, laid = _layout(st, cfg, with_logprobs, laid_in, mine)
         new, drawn, v = step(w, dw, st, batch, sb, run=cfg)
         return _finish(new, drawn, v, cfg, laid, with_logprobs), (drawn, v)
+
+    # the round traced once: the loop's body replays it, and the last round's drawn rows and
+    # Verified start as zeros of its shapes
+    (_, shapes), one = rows.traced(round_i, jnp.int32(0), state)
 
     def body(c):
         i, st, drafted, accepted, ids, vals, _ = c
@@ -576,9 +580,7 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
         return (i + 1, new, drafted.at[i].set(q.drafted - p.drafted),
                 accepted.at[i].set(q.accepted - p.accepted), ids, vals, out)
 
-    # the last round's drawn rows and Verified start as zeros of their shapes
-    last = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                        jax.eval_shape(lambda st: one(jnp.int32(0), st)[1], state))
+    last = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
     was_live = ~state.done
     first = False if host is None else jnp.any(host.rows > 0)    # the host's rows: a round
     more = lambda c: ((c[0] < jnp.minimum(num_rounds, max_rounds))
