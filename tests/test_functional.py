@@ -171,6 +171,21 @@ def test_runs_under_a_mesh_and_shard_map(pair, engine):
     assert [t[t >= 0].tolist() for t in tokens] == [o.outputs[0].token_ids for o in ref]
 
 
+def test_a_draft_models_round_traces_one_draw(pair, monkeypatch):
+    """A draft model's scan draws a draft and then feeds it, so the draw and the draft's LM head
+    are traced, and compiled, once per round: a first draw before the loop was a second copy of
+    them (40% of the time to compile the round), and the skippable step traced its body twice."""
+    from sfjax.spec import proposers
+    draws, draw = [], proposers._draw_draft
+    monkeypatch.setattr(proposers, "_draw_draft", lambda *a: draws.append(a[-2]) or draw(*a))
+    cfg = F.Config(pair["cfg"], MAX_LEN, speculative_config={
+        "method": "draft_model", "model": pair["cfg"], "num_speculative_tokens": 3})
+    ids, lens = F.pad_prompts(_prompts(0))
+    sp = F.Sampling.from_params(_params(0), eos_token_ids=())
+    jax.eval_shape(lambda w: F.generate(w, ids, lens, sp, cfg, w), pair["weights"])
+    assert len(draws) == 1 and not isinstance(draws[0], int)      # the scan step's j, traced
+
+
 def test_weights_are_checked_against_the_config(pair):
     cfg = F.Config(pair["cfg"], MAX_LEN, speculative_config={
         "method": "draft_model", "model": pair["cfg"], "num_speculative_tokens": 2})

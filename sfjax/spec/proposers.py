@@ -12,7 +12,10 @@ as the target, plus two rows per decode slot (positions L-2 and L-1; re-feeding 
 same bits, by row invariance), so after any outcome its cache is valid through L'-3 and the next
 round's first draft step completes it. Then ``lax.scan`` draws d_1 .. d_K one row per slot (on a
 mesh with dp > 1, those rows placed by data shard, ``sharding.slot_rows``), each draw over the
-token history with the round's earlier drafts in it, as plain decoding's at that position.
+token history with the round's earlier drafts in it, as plain decoding's at that position. A
+step draws its draft and then feeds it (an EAGLE head alike), so the draw and the logits are
+compiled once: a first draw outside the loop was a second copy of them, 40% of the time to
+compile a draft model's round.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfjax import model, sampling, sharding
+from sfjax import model, rows, sampling, sharding
 from sfjax.spec import eagle, table as T
 from sfjax.step import keep_cache_sharding, record_tokens, replicated
 
@@ -129,19 +132,20 @@ def _draw_draft(ctx, slots, length, k, live, s: int, logits, j, history):
 
 
 def _scan_drafts(ctx, step, carry, k, k_max: int):
-    """``lax.scan(step, carry, [1, k_max))``: drafts 2 .. k_max, step j drafting for the rows with
-    j < ``k``. On the row-tile path (no matmul kernel: XLA:CPU) a step past every row's k is
-    skipped (``lax.cond``; it would change nothing, as no row takes a draft there), so a round
-    of adaptive k pays for the drafts it makes, not for k_max. The kernel path keeps every step:
-    its round has no conditionals (an accelerator reads a branch's predicate on the host)."""
+    """``lax.scan(step, carry, [0, k_max))``: step j drawing draft j + 1 for the rows with
+    j < ``k`` and feeding it. On the row-tile path (no matmul kernel: XLA:CPU) a step past every
+    row's k is skipped (``lax.cond``; it would change nothing, as no row takes a draft there),
+    so a round of adaptive k pays for the drafts it makes, not for k_max. The kernel path keeps
+    every step: its round has no conditionals (an accelerator reads a branch's predicate on the
+    host), and feeds the last draft to no row."""
     if ctx.run.matmul is None:
         body = step
 
         def step(carry, j):
-            outs = jax.eval_shape(body, carry, j)[1]
+            (_, outs), once = rows.traced(body, carry, j)
             none = lambda carry, j: (carry, jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype), outs))
-            return lax.cond(jnp.any(j < k), body, none, carry, j)
-    return lax.scan(step, carry, jnp.arange(1, k_max))
+            return lax.cond(jnp.any(j < k), once, none, carry, j)
+    return lax.scan(step, carry, jnp.arange(k_max))
 
 
 def _draft_model(dw, dcache, ctx, k_max: int):
@@ -164,20 +168,23 @@ def _draft_model(dw, dcache, ctx, k_max: int):
 
     one = functools.partial(_draw_draft, ctx, slots, length, k, live, s)
     head = lambda h: replicated(model.logits(dw, h, dcfg, tiling, jnp.sum(live), mesh=mesh), mesh)
-    d0, q0, history = one(head(h[grow(spec.draft_last, 0)]), 0, history)
 
     def step(carry, j):
-        d_prev, dcache, history = carry
-        pos = jnp.where(live & (j < k), length - 1 + j, -1)
-        h, dcache = model.forward(dw, dcache, spread(d_prev, 0), spread(pos, -1),
+        """Draft j from its predecessor's hidden row, then draft j fed at L + j: the hidden row
+        draft j + 1 is drawn from (no row where j + 1 is past the slot's k)."""
+        x, dcache, history = carry
+        d, logq, history = one(head(x), j, history)
+        pos = jnp.where(live & (j + 1 < k), length + j, -1)
+        h, dcache = model.forward(dw, dcache, spread(d, 0), spread(pos, -1),
                                   spread(jnp.where(pos >= 0, slots, -1), -1), ctx.block_tables,
                                   dcfg, tiling, attention=attention, mesh=mesh)
-        d, logq, history = one(head(gather(h)), j, history)
-        return (d, dcache, history), (d, logq)
+        return (gather(h), dcache, history), (d, logq)
 
-    (_, dcache, _), (ds, qs) = _scan_drafts(ctx, step, (d0, dcache, history), k, k_max)
-    drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]                    # [S, K]
-    logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]      # [S, K, V or 1]
+    # the first draft from the row of the newest token the round fed (a slot's L - 1)
+    (_, dcache, _), (ds, qs) = _scan_drafts(ctx, step, (h[grow(spec.draft_last, 0)], dcache,
+                                                        history), k, k_max)
+    drafts = ds.T[:s]                                        # [S, K]
+    logq = qs.transpose(1, 0, 2)[:s]                         # [S, K, V or 1]
     return drafts, logq, keep_cache_sharding(dcache, dcfg, mesh)
 
 
@@ -229,20 +236,20 @@ class Eagle:
         one = functools.partial(_draw_draft, ctx, slots, length, k, live, s)
         h = hs.out[at]
         lg = eagle.paged_logits(hw, self.head, h, k > 0, tiling=run.head_tiling)
-        d0, q0, history = one(lg, 0, ctx.history)
 
         def step(carry, j):
-            d_prev, h_prev, cache, history = carry
-            pos = jnp.where(j < k, length - 2 + j, -1)
-            h, lg, cache = self._paged(ctx, hw, cache, d_prev, h_prev, pos,
-                                       jnp.where(pos >= 0, slots, -1), fused=False)
+            """Draft j from the head's logits, then the head's row with it (at L - 1 + j): the
+            logits of draft j + 1 (no row where j + 1 is past the slot's k)."""
+            lg, h_prev, cache, history = carry
             d, logq, history = one(lg, j, history)
-            return (d, h, cache, history), (d, logq)
+            pos = jnp.where(j + 1 < k, length - 1 + j, -1)
+            h, lg, cache = self._paged(ctx, hw, cache, d, h_prev, pos,
+                                       jnp.where(pos >= 0, slots, -1), fused=False)
+            return (lg, h, cache, history), (d, logq)
 
-        (_, _, cache, _), (ds, qs) = _scan_drafts(ctx, step, (d0, h, hs.cache, history), k,
+        (_, _, cache, _), (ds, qs) = _scan_drafts(ctx, step, (lg, h, hs.cache, ctx.history), k,
                                                   self.k_max)
-        drafts = jnp.concatenate([d0[None], ds], axis=0).T[:s]
-        logq = jnp.concatenate([q0[None], qs], axis=0).transpose(1, 0, 2)[:s]
+        drafts, logq = ds.T[:s], qs.transpose(1, 0, 2)[:s]
         return (drafts, k[:s], logq if ctx.compares_distributions else None,
                 dataclasses.replace(hs, cache=cache))
 
