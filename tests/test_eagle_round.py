@@ -50,9 +50,10 @@ def _dense_features(weights, tokens):
     tables = jnp.arange(1, 1 + MAX_LEN // BLOCK, dtype=jnp.int32)[None]
     rows = -(-n // 8) * 8
     pad = lambda x, fill: jnp.asarray(np.concatenate([x, np.full(rows - n, fill)]), jnp.int32)
-    _, _, f = model.forward(weights, cache, pad(np.asarray(tokens), 0), pad(np.arange(n), -1),
-                            pad(np.zeros(n), -1), tables, TARGET, features=(0, 1, 1))
-    return f[:n]
+    forward = jax.jit(lambda w, *rows: model.forward(w, cache, *rows, tables, TARGET,
+                                                      features=(0, 1, 1))[2])    # one compile
+    return forward(weights, pad(np.asarray(tokens), 0), pad(np.arange(n), -1),
+                   pad(np.zeros(n), -1))[:n]
 
 
 def _dense_drafts(hw, weights, tokens, k):
@@ -83,6 +84,8 @@ def test_the_paged_head_drafts_what_the_dense_head_drafts(pair):
                   block_tables=jnp.arange(1, 1 + MAX_LEN // BLOCK, dtype=jnp.int32)[None],
                   k_max=K, compares_distributions=False, run=run)
     proposer = run.round.proposer
+    # jitted, as a round runs them (eagerly, each of their operations compiles on its own)
+    follow = jax.jit(lambda *a: proposer.follow(ctx, *a))
     # the prompt's rows, as a prefill round feeds them (two chunks: the second reads the
     # features the first kept, and its last row is followed by the drawn token)
     hs = eagle.HeadState.zeros(run.head, 1 + MAX_LEN // BLOCK, BLOCK, 1)
@@ -92,7 +95,7 @@ def test_the_paged_head_drafts_what_the_dense_head_drafts(pair):
         pad = lambda x, fill: jnp.asarray(np.concatenate([x, np.full(8 - n, fill)]), jnp.int32)
         drawn = np.full(n, -1)
         drawn[-1] = tokens[p] if hi == p else -1
-        hs = proposer.follow(ctx, placed, hs, pad(np.asarray(tokens[lo:hi]), 0),
+        hs = follow(placed, hs, pad(np.asarray(tokens[lo:hi]), 0),
                              pad(np.arange(lo, hi), -1), pad(np.zeros(n), -1),
                              jnp.concatenate([feats[lo:hi], jnp.zeros((8 - n, feats.shape[1]))]),
                              None, pad(drawn, -1))
@@ -111,7 +114,7 @@ def test_the_paged_head_drafts_what_the_dense_head_drafts(pair):
                      draft_tokens=jnp.zeros(8, jnp.int32), draft_positions=jnp.full(8, -1, jnp.int32),
                      draft_slots=jnp.full(8, -1, jnp.int32), draft_last=z, verify_logit=z)
     ctx = dataclasses.replace(ctx, spec=spec, sampling=sampling.rows(table, draws), history=history)
-    drafts, k, logq, hs = proposer.propose(ctx, placed, hs)
+    drafts, k, logq, hs = jax.jit(lambda *a: proposer.propose(ctx, *a))(placed, hs)
     want, hidden = _dense_drafts(hw, weights, tokens, K)
     assert int(k[0]) == K and logq is None
     assert np.asarray(drafts[0]).tolist() == want
