@@ -170,8 +170,8 @@ def _draft_model(dw, dcache, ctx, k_max: int):
     head = lambda h: replicated(model.logits(dw, h, dcfg, tiling, jnp.sum(live), mesh=mesh), mesh)
 
     def step(carry, j):
-        """Draft j from its predecessor's hidden row, then draft j fed at L + j: the hidden row
-        draft j + 1 is drawn from (no row where j + 1 is past the slot's k)."""
+        """Draws draft j + 1 from the hidden row before it, then feeds it at L + j: the row
+        draft j + 2 is drawn from (no row where j + 1 is past the slot's k)."""
         x, dcache, history = carry
         d, logq, history = one(head(x), j, history)
         pos = jnp.where(live & (j + 1 < k), length + j, -1)
@@ -238,8 +238,8 @@ class Eagle:
         lg = eagle.paged_logits(hw, self.head, h, k > 0, tiling=run.head_tiling)
 
         def step(carry, j):
-            """Draft j from the head's logits, then the head's row with it (at L - 1 + j): the
-            logits of draft j + 1 (no row where j + 1 is past the slot's k)."""
+            """Draws draft j + 1 from the head's logits, then runs the head's row with it (at
+            L - 1 + j): the logits of draft j + 2 (no row where j + 1 is past the slot's k)."""
             lg, h_prev, cache, history = carry
             d, logq, history = one(lg, j, history)
             pos = jnp.where(j + 1 < k, length - 1 + j, -1)
