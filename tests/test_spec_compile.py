@@ -63,3 +63,17 @@ def test_precompile_covers_every_step_of_a_run(model_folder, tmp_path, method):
     assert llm.get_metrics()["prefix_cache"]["hit_tokens"] > 0      # the second run's prompts
     assert not seen, f"{len(seen)} compiles after precompile"
     assert llm.get_metrics()["host_steps"] < llm.get_metrics()["steps"]   # the rounds ran
+
+
+def test_precompile_lists_each_bucket_once_and_none_that_no_call_can_fill(model_folder):
+    """One slot of 64 positions at k = 4: a call holds at most 64 + 4 rows, so ``precompile``
+    compiles no round past 128 rows (the default token budget of 512 listed buckets of up to
+    1024 rows: three round programs no call could run, six with a draft model), and each bucket
+    once (the decode and prefill spans meet at one)."""
+    target = model_folder(toy.tiny_config(), seed=0, std=0.1)
+    llm = LLM(target, max_num_seqs=1, max_model_len=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert llm.engine.config.max_num_batched_tokens == 512
+    listed = llm.engine.shape_buckets()
+    assert len(listed) == len(set(listed))
+    assert max(n for kind, n, *_ in listed if kind == "round") == 128

@@ -112,15 +112,17 @@ def shape_buckets(engine) -> list[tuple]:
     ``max_num_seqs`` draws, and sampling lists longer than ``sampling.MIN_LIST_WIDTHS``
     (min_tokens stop ids, logit_bias, allowed_token_ids), add shapes not listed here. Over dp
     data shards N is dp segments of a bucketed length (``batch.pack``), any shard taking the
-    whole token budget."""
+    whole token budget, or every slot of it a whole sequence where that is fewer: a bucket no
+    call can fill is not compiled. Each is listed once."""
     c, tile, dp = engine.config, engine.config.row_tile, engine.dp
     span = lambda lo, hi: sorted({bucket(x, tile) for x in (lo, hi)} |
                                  {b for b in (tile * 2**j for j in range(24))
                                   if bucket(lo, tile) <= b <= bucket(hi, tile)})
     max_draws, per_shard = c.max_num_seqs, c.max_num_seqs // dp
+    tokens = min(c.max_num_batched_tokens, per_shard * c.max_model_len)   # a shard's host rows
     out = []
     if engine.spec is None:
-        out += [("round", dp * n, r, 0) for n in span(1, c.max_num_batched_tokens)
+        out += [("round", dp * n, r, 0) for n in span(1, tokens)
                 for r in span(1, max_draws) if r <= bucket(dp * n, tile)]
     else:
         k1 = engine.spec.k_max + 1
@@ -128,7 +130,7 @@ def shape_buckets(engine) -> list[tuple]:
         ds = lambda n: [n, 2 * n] if engine.spec.draft_cfg is not None else [0]
         out += [("round", dp * n, r, d) for n in span(1, per_shard * k1)
                 for r in span(1, verify) if r <= bucket(dp * n, tile) for d in ds(dp * n)]
-        prefill = span(per_shard * k1, c.max_num_batched_tokens + per_shard * engine.spec.k_max)
+        prefill = span(per_shard * k1, tokens + per_shard * engine.spec.k_max)
         out += [("round", dp * n, r, d) for n in prefill
                 for r in span(verify, verify + max_draws) for d in ds(dp * n)]
     out.append(("logprobs", *engine.buckets.shape([0] * dp, 0, [], True)))
@@ -136,8 +138,8 @@ def shape_buckets(engine) -> list[tuple]:
         out.append(("forget", 0, 0, 0))
     if c.enable_prefix_caching:               # a cache hit's skipped tokens into the history
         out.append(("history", 0, 0, 0))
-    return out + [(kind, u, 0, 0) for kind in ("slots", "blocks")
-                  for u in slots.buckets(c.max_num_seqs)]
+    out += [(kind, u, 0, 0) for kind in ("slots", "blocks") for u in slots.buckets(c.max_num_seqs)]
+    return list(dict.fromkeys(out))           # decode's and prefill's spans meet at one bucket
 
 
 def precompile(engine, progress: bool = True) -> float:
