@@ -536,15 +536,21 @@ def test_sharded_folder_loads_like_single_file(model_folder, tiny_folder, hf_mod
 # f. full-size shapes (random weights)
 
 
+# llama-68m as a CPU user runs it (unrolled layers, the small tiles its certificate grants);
+# llama-160m with the GPU and TPU engines' layer loop (``lax.scan`` over stacked layers), which no
+# other test runs end to end, and no small tiles (a 12-layer certificate probe costs 20 s).
 @pytest.mark.slow
-@pytest.mark.parametrize("make_cfg", [toy.llama_68m_config, toy.llama_160m_config],
-                         ids=["llama-68m", "llama-160m"])
-def test_aphrodite_shaped_models_generate_like_hf(make_cfg, model_folder):
+@pytest.mark.parametrize("make_cfg, run", [
+    (toy.llama_68m_config, {}),
+    (toy.llama_160m_config, dict(layer_loop="scan", small_row_tiles=False))],
+    ids=["llama-68m", "llama-160m-scan"])
+def test_aphrodite_shaped_models_generate_like_hf(make_cfg, run, model_folder):
     cfg = make_cfg()
     folder = model_folder(cfg, seed=0)
     hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = [random_ids(n, seed=i, vocab=cfg.vocab_size) for i, n in enumerate((5, 23))]
-    llm = LLM(folder, max_num_seqs=2, max_model_len=64)
+    llm = LLM(folder, max_num_seqs=2, max_model_len=64, **run)
+    assert llm.engine.run.unrolled == (not run)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     for p, out in zip(prompts, outs):

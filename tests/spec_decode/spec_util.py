@@ -5,10 +5,15 @@ import numpy as np
 from sfjax import SamplingParams
 
 # One geometry for every engine of the suite: engines whose model shapes and speculation settings
-# match then share compiled steps.
+# match then share compiled steps. Without certified small tiles: a one-tile bucket compiles each
+# certified tile as a branch of every tile loop (``rows.per_tile_sized``), about a quarter of
+# this directory's compiling, and a small tile gives a row the whole tile's bits (its
+# certificate, tests/test_model.py), so it cannot change what these tests compare. The golden runs
+# (tests/golden_runs.py: draft model, EAGLE, n-gram), the prefix-cache, engine, EAGLE-round and
+# rollback tests speculate with them.
 MAX_NUM_SEQS = 64
 MAX_MODEL_LEN = 128
-GEOMETRY = dict(max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
+GEOMETRY = dict(max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, small_row_tiles=False)
 
 
 # Prompts of at most 8 tokens: at batch 1 a round for k <= 6 has the prefill step's shapes, so each
