@@ -538,7 +538,8 @@ def test_sharded_folder_loads_like_single_file(model_folder, tiny_folder, hf_mod
 
 # llama-68m as a CPU user runs it (unrolled layers, the small tiles its certificate grants);
 # llama-160m with the GPU and TPU engines' layer loop (``lax.scan`` over stacked layers), which no
-# other test runs end to end, and no small tiles (a 12-layer certificate probe costs 20 s).
+# other test runs end to end, and no small tiles (its certificate's probe costs 6 s and, on the
+# CPU box, grants none).
 @pytest.mark.slow
 @pytest.mark.parametrize("make_cfg, run", [
     (toy.llama_68m_config, {}),

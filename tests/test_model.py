@@ -156,6 +156,24 @@ def test_the_certificate_refuses_a_tile_with_other_bits(setup, monkeypatch):
     assert R.certify_row_tiles(w, CFG, 8, (2, 4)) == ()
 
 
+def test_a_deep_models_certificate_probes_its_first_layers(monkeypatch):
+    """A model deeper than ``rows.PROBE_LAYERS`` is probed on its first layers, not all of them
+    (one trace of the probe: the layers it traced), with the whole model's answer."""
+    deep = toy.tiny_config(num_layers=5)
+    w = W.split_layers(W.init_random(deep, seed=3, std=0.1))     # unrolled: a call per layer
+    monkeypatch.setattr(R, "_CERTIFIED", {})
+    monkeypatch.setenv("SFJAX_CACHE_DIR", "off")
+    traced, layer = [], model.decoder_layer
+    monkeypatch.setattr(model, "decoder_layer",
+                        lambda carry, lw, i, ctx: traced.append(i) or layer(carry, lw, i, ctx))
+    tiles = R.certify_row_tiles(w, deep, 8, (2, 4))
+    assert traced == list(range(R.PROBE_LAYERS)) and R.PROBE_LAYERS < deep.num_layers
+    traced.clear()
+    monkeypatch.setattr(R, "PROBE_LAYERS", deep.num_layers)
+    assert R._certify(w, deep, 8, (2, 4), "auto", {}) == tiles
+    assert traced == list(range(deep.num_layers))
+
+
 def test_certificates_are_kept_across_processes_and_keyed_on_what_they_follow(setup, monkeypatch,
                                                                                tmp_path):
     """A probe's answer is stored (sfjax.certificate_cache) and a fresh process takes it without

@@ -59,8 +59,8 @@ def _drive(eng, arrivals, abort_at=None):
 # aphrodite's geometry at an eighth of its 256 new tokens (the cache cut with them, so the
 # pressure is the same: no request fits beside another to its end, and the speculating engines
 # are preempted 4 times or more). Certified small tiles give a row the bits of the whole
-# tile (tests/test_model.py), so they can't change what these tests compare; at this size their
-# certification and extra branches cost a minute of compiling. LLVM at -O0 (the suite's
+# tile (tests/test_model.py), so they can't change what these tests compare; at this size the
+# CPU box certifies none, and each model's probe costs 6 s. LLVM at -O0 (the suite's
 # setting) leaves the matmuls to the same library calls: compiling these engines at -O2
 # (RUNS_LONG) cost the pair 35 s more than it saved in running them.
 NEW_TOKENS = 32
