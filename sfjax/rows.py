@@ -53,6 +53,7 @@ from sfjax.weights import LAYER_FIELDS, Weights, describe, layer_arrays, multipl
 
 COL_BLOCKS = 8          # column blocks of every matmul; a tensor-parallel size must divide it
 SMALL_ROW_TILES = (2, 4)
+PROBE_LAYERS = 2        # the layers a deeper model's certificate probe runs (``_certify``)
 
 # -- the tile loop ------------------------------------------------------------------------------
 
@@ -326,9 +327,6 @@ def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
             certificate_cache.remember(key, found)
         _CERTIFIED[key] = found
     return _CERTIFIED.get(key, ())
-
-
-PROBE_LAYERS = 2
 
 
 def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention: str,
