@@ -7,7 +7,8 @@ code, so it is stored under a digest of everything that code follows: the probe'
 shape, dtypes, tiles, attention impl, backend), jax and jaxlib versions, the backend's platform
 version and device kind, ``XLA_FLAGS``, the CPU (model name and feature flags), and the source
 of every module of sfjax and pallas_kernels. Anything different is another entry, and the probe
-runs again.
+runs again. Each stage's choice among the certified tiles (``rows.tune_stage_tiles``, timed) is
+kept the same way, so a machine's engines run the same programs from one start to the next.
 
 The file is ``$SFJAX_CACHE_DIR/row_tile_certificates.json`` (default ``~/.cache/sfjax``);
 ``SFJAX_CACHE_DIR=off`` (or empty) keeps nothing. An unreadable or damaged file is ignored, and
@@ -76,17 +77,21 @@ def _read(path: str) -> dict:
         return {}
 
 
-def recall(key) -> tuple[int, ...] | None:
-    """The stored certificate of ``key``, or None."""
+def _as_tiles(got):
+    return tuple(got) if isinstance(got, list) and all(isinstance(t, int) for t in got) else None
+
+
+def recall(key, parse=_as_tiles):
+    """The stored answer of ``key`` as ``parse`` reads it (default: a certificate's tiles), or
+    None (nothing stored, or nothing ``parse`` reads)."""
     path = _path()
     got = None if path is None else _read(path).get(digest(key))
-    if isinstance(got, list) and all(isinstance(t, int) for t in got):
-        return tuple(got)
-    return None
+    return None if got is None else parse(got)
 
 
-def remember(key, tiles: tuple[int, ...]) -> None:
-    """Stores ``tiles`` for ``key`` (merged into the file, replaced atomically)."""
+def remember(key, tiles) -> None:
+    """Stores ``tiles`` (a certificate's tiles, or another JSON value) for ``key`` (merged into
+    the file, replaced atomically)."""
     path = _path()
     if path is None:
         return

@@ -97,22 +97,24 @@ def attention_block(x, kc, vc, i, lw, ctx):
     Returns (the attention output projected to d [N, d], the caches)."""
     cfg, sp, r = ctx.cfg, ctx.sp, ctx.rows
     q, k, v = r.apply(functools.partial(qkv, lw=lw, cfg=cfg, inv_freq=ctx.inv_freq, mm=r.matmul),
-                      x, ctx.positions)
+                      x, ctx.positions, stage="qkv")
     kc = kc.at[i, ctx.page, ctx.offset].set(k.astype(kc.dtype))
     vc = vc.at[i, ctx.page, ctx.offset].set(v.astype(vc.dtype))
     run = lambda q: paged_attention(q, kc, vc, i, ctx.block_tables, ctx.slots, ctx.positions,
                                     sm_scale=float(cfg.head_dim) ** -0.5, row_tile=r.tiling.tile,
                                     impl=ctx.attention)
     attn = sp.columns(sp.heads(run, q, cfg.num_heads), 1).astype(x.dtype)     # [N, heads, D]
-    out = r.apply(lambda a: r.matmul(a.reshape(a.shape[0], -1), lw["wo"]), attn)
+    out = r.apply(lambda a: r.matmul(a.reshape(a.shape[0], -1), lw["wo"]), attn, stage="o")
     return sp.columns(out, 1), kc, vc
 
 
 def mlp(x, attn, lw, ctx):
     """Layer's MLP: (the residual x + attn, down(silu(gate(h)) * up(h))), h = mlp_norm(x + attn)."""
     sp, r = ctx.sp, ctx.rows
-    x, act = r.apply(functools.partial(mlp_input, lw=lw, cfg=ctx.cfg, mm=r.matmul), x, attn)
-    return x, sp.columns(r.apply(lambda a: r.matmul(a, lw["w_down"]), sp.columns(act, 1)), 1)
+    x, act = r.apply(functools.partial(mlp_input, lw=lw, cfg=ctx.cfg, mm=r.matmul), x, attn,
+                     stage="mlp")
+    down = r.apply(lambda a: r.matmul(a, lw["w_down"]), sp.columns(act, 1), stage="down")
+    return x, sp.columns(down, 1)
 
 
 def decoder_layer(carry, lw, i, ctx):
@@ -235,7 +237,8 @@ def _logits(weights: Weights, hidden, num_rows, *, cfg: ModelConfig, tiling: row
             sp: Split):
     n = hidden.shape[0]
     r = tiling.rows(sp.first_row(n) + jnp.arange(n) < num_rows, sp != Split())
-    out = r.apply(functools.partial(head, weights=weights, cfg=cfg, mm=r.matmul), hidden)
+    out = r.apply(functools.partial(head, weights=weights, cfg=cfg, mm=r.matmul), hidden,
+                  stage="head")
     return sp.columns(out, 1) if sp.vocab_sharded else out
 
 

@@ -17,7 +17,8 @@ shape. Everything that makes that so lives here, behind a small interface the mo
 - ``opaque_zero`` / ``rounded``: a float product rounded before it is added (no FMA contraction
   that follows the surrounding fusion); ``opaque_count``: a loop trip count the compiler can't see;
 - ``certify_row_tiles``: which smaller tiles this backend computes with ``tile``'s bits, probed
-  on the model itself.
+  on the model itself; ``tune_stage_tiles``: which of them each stage (``STAGES``) runs fastest
+  in, timed on its weights, and the whole choice probed again.
 
 The tile loop, per ``per_tile``:
 - the body sees one tile of ``row_tile`` rows, whatever N is;
@@ -40,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Any
 
 import jax
@@ -54,6 +56,13 @@ from sfjax.weights import LAYER_FIELDS, Weights, describe, layer_arrays, multipl
 COL_BLOCKS = 8          # column blocks of every matmul; a tensor-parallel size must divide it
 SMALL_ROW_TILES = (2, 4)
 PROBE_LAYERS = 2        # the layers a deeper model's certificate probe runs (``_certify``)
+# The tile loops of a forward, by the weights they multiply: a layer's attention norm and
+# q | k | v, its o projection, its MLP norm and gate | up, its down projection; the final norm
+# and LM head. Each may run its one-tile calls in its own certified tiles (``Tiling.stages``).
+STAGES = ("qkv", "o", "mlp", "down", "head")
+STAGE_WEIGHTS = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "mlp": ("w_gate", "w_up"),
+                 "down": ("w_down",), "head": ("lm_head",)}
+TUNE_MARGIN = 0.8       # a larger tile is taken for a stage only if it is this much faster
 
 # -- the tile loop ------------------------------------------------------------------------------
 
@@ -144,15 +153,23 @@ def per_tile_sized(fn, row_tile: int, small_tiles: tuple[int, ...], valid_rows, 
 class Tiling:
     """How a call computes its rows (static, hashable): in tiles of ``tile`` rows, or in one of
     the certified ``small`` tiles when its valid rows fit it, or, with a ``kernel`` (a
-    ``pallas_kernels.matmul`` impl), each matmul as one Pallas launch over every row."""
+    ``pallas_kernels.matmul`` impl), each matmul as one Pallas launch over every row.
+    ``stages``: (stage, tiles) pairs, the small tiles a stage of ``STAGES`` runs in where they
+    are not all of ``small`` (``tune_stage_tiles``: the GEMM library is faster on some weight
+    shapes in a larger tile); a stage not named runs in ``small``."""
     tile: int = 8
     small: tuple[int, ...] = ()
     kernel: str | None = None
+    stages: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def rows(self, valid, split: bool = False) -> "Rows":
         """The ``Rows`` of a call whose ``valid`` rows are given; ``split``: the call runs under a
         mesh, whose bodies are not certified, so in whole tiles only."""
-        return Rows(valid, dataclasses.replace(self, small=()) if split else self)
+        return Rows(valid, dataclasses.replace(self, small=(), stages=()) if split else self)
+
+    def small_for(self, stage: str | None) -> tuple[int, ...]:
+        """The small tiles ``stage``'s one-tile calls run in."""
+        return dict(self.stages).get(stage, self.small)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,14 +181,15 @@ class Rows:
     valid: Any
     tiling: Tiling
 
-    def apply(self, fn, *xs):
+    def apply(self, fn, *xs, stage: str | None = None):
         """``fn`` (row-local: row r of its output depends on row r of its inputs only) over the
         rows of ``xs`` (pytrees of [N, ...] arrays); rows of skipped tiles come out zero (with a
-        kernel, the matmuls' rows past the last valid one)."""
+        kernel, the matmuls' rows past the last valid one). ``stage``: which of ``STAGES`` this
+        is (its small tiles, ``Tiling.small_for``)."""
         t = self.tiling
         if t.kernel is not None:
             return fn(*xs)
-        return per_tile_sized(fn, t.tile, t.small, self.valid, *xs)
+        return per_tile_sized(fn, t.tile, t.small_for(stage), self.valid, *xs)
 
     def matmul(self, a, w, out_dtype=None, norm=None):
         """``a @ w`` (``w`` blocked, or a tuple of blocked weights: a tuple of products) for
@@ -330,9 +348,10 @@ def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
 
 
 def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention: str,
-             options: dict):
-    """One program with the candidate tiles, run twice per candidate t: slot 0's rows 0..t-1
-    alone (a tile of t), then with a row of slot 1 at the step's last row (a tile of row_tile).
+             options: dict, stages: tuple = ()):
+    """One program with the candidate tiles (each stage in its own, with ``stages``), run twice
+    per candidate t: slot 0's rows 0..t-1 alone (a tile of t, or each stage's smallest tile that
+    holds them), then with a row of slot 1 at the step's last row (a tile of row_tile).
     Slot 0's logits, hidden states and pages must be the same bits.
 
     A deeper model is probed on its first ``PROBE_LAYERS`` layers: every decoder layer is the
@@ -358,7 +377,7 @@ def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention
         i = jnp.arange(n)
         positions = jnp.where(i < m, i, jnp.where((i == n - 1) & other, 0, -1))
         slots = jnp.where(i < m, 0, jnp.where(positions >= 0, 1, -1))
-        tiling = Tiling(row_tile, cands)
+        tiling = Tiling(row_tile, cands, stages=stages)
         hidden, kv = model.forward(weights, cache, tokens, positions, slots, tables, cfg, tiling,
                                    attention=attention)
         out = model.logits(weights, hidden, cfg, tiling, num_rows=jnp.where(other, n, m))
@@ -371,13 +390,125 @@ def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention
     return tuple(t for t in cands if same(t))
 
 
+# -- each stage in its fastest certified tile ---------------------------------------------------
+
+_TUNED: dict = {}
+
+
+def tune_stage_tiles(weights: Weights, cfg: ModelConfig, row_tile: int, tiles: tuple[int, ...],
+                     *, attention: str = "auto",
+                     compiler_options: tuple[tuple[str, Any], ...] = ()) -> tuple:
+    """``Tiling.stages`` for certified ``tiles``: each stage's weights multiplied by a tile of t
+    rows, timed for every t in ``tiles`` and ``row_tile`` (``_stage_times``), and each stage given
+    the tiles its one-tile calls are fastest in (``_stage_choice``). The GEMM library's speed
+    follows the weight's shape: on the CPU box YNNPACK multiplies the demo model's gate and up
+    blocks ([256, 80]) twice as fast at 4 rows as at 2, and its LM head blocks ([256, 512])
+    faster at 2 (BENCHMARKS.md). The whole choice is then probed as the certificate probes a
+    tile (``_certify``), and () is kept if it gives other bits. Kept like the certificate, per
+    process and on disk (``sfjax.certificate_cache``), by the model's shape (not its special
+    token ids: engines that differ only there share programs): timings differ between runs, the
+    bits of any certified choice do not."""
+    from sfjax import certificate_cache
+
+    if not tiles:
+        return ()
+    shape = dataclasses.replace(cfg, bos_token_id=None, eos_token_ids=())   # what it times
+    key = ("stages", shape, row_tile, tuple(tiles), attention, jax.default_backend(),
+           isinstance(weights.wq, (tuple, list)),
+           tuple(str(x.dtype) for x in jax.tree.leaves(weights)), tuple(compiler_options))
+    if key not in _TUNED:
+        found = certificate_cache.recall(key, _as_stages)
+        if found is None:
+            options, sizes = dict(compiler_options), tiles + (row_tile,)
+            found = _stage_choice(_stage_times(weights, sizes, options), tiles, row_tile)
+            if found:                   # timed again: a choice noise made is not kept
+                again = dict(_stage_choice(_stage_times(weights, sizes, options,
+                                                        tuple(s for s, _ in found)),
+                                           tiles, row_tile))
+                found = tuple((s, t) for s, t in found if again.get(s) == t)
+            if found and _certify(weights, cfg, row_tile, tiles, attention, options,
+                                  found) != tuple(tiles):
+                found = ()
+            certificate_cache.remember(key, [[stage, list(t)] for stage, t in found])
+        _TUNED[key] = found
+    return _TUNED[key]
+
+
+def _as_stages(stored):
+    """A stored stage choice as ``Tiling.stages``, or None if it is not one."""
+    try:
+        found = tuple((str(stage), tuple(int(t) for t in ts)) for stage, ts in stored)
+    except (TypeError, ValueError):
+        return None
+    return found if all(stage in STAGES for stage, _ in found) else None
+
+
+FLUSH_BYTES = 64 << 20   # read between timed calls, to push the weights out of the caches
+
+
+def _stage_times(weights: Weights, tiles: tuple[int, ...], options: dict,
+                 stages: tuple[str, ...] = STAGES, repeats: int = 3, calls: int = 3) -> dict:
+    """{(stage, t): seconds} for ``stages`` (the others: the same for every t): every weight of
+    the stage (every layer's) times a tile of t rows, in one jitted call, the best of
+    ``repeats`` x ``calls`` calls, the tiles taking turns. Each call starts with the weights out
+    of the CPU's caches (``FLUSH_BYTES`` read before it), as in a round, whose other stages push
+    them out: YNNPACK's speed on the demo model's gate and up blocks follows the tile only
+    then."""
+    weights = block_weights(weights)
+    layers = layer_arrays(weights)
+
+    def mats(stage):
+        out = []
+        for name in STAGE_WEIGHTS[stage]:
+            a = weights.lm_head if name == "lm_head" else layers[name]
+            out += list(a) if isinstance(a, (tuple, list)) or a.ndim == 4 else [a]
+        return out
+
+    def product(t):
+        return jax.jit(lambda ms: sum(jnp.sum(matmul(jnp.ones((t, m.shape[1]), m.dtype), m)[:, :1])
+                                      for m in ms), compiler_options=options or None)
+
+    runs = {(stage, t): (product(t), mats(stage)) for stage in stages for t in tiles}
+    best = {(stage, t): 0.0 for stage in STAGES for t in tiles} | dict.fromkeys(runs, float("inf"))
+    flush, junk = jax.jit(jnp.sum), jnp.ones(FLUSH_BYTES // 4, jnp.float32)
+    for _ in range(repeats):
+        for key, (fn, ms) in runs.items():
+            jax.block_until_ready(fn(ms))
+            for _ in range(calls):
+                jax.block_until_ready(flush(junk))
+                start = time.perf_counter()
+                jax.block_until_ready(fn(ms))
+                best[key] = min(best[key], time.perf_counter() - start)
+    return best
+
+
+def _stage_choice(times: dict, tiles: tuple[int, ...], row_tile: int) -> tuple:
+    """``Tiling.stages`` from ``_stage_times``: for the calls a tile t of ``tiles`` is the smallest
+    to hold, the fastest tile of at least t rows where it beats t by ``TUNE_MARGIN`` (else t);
+    a stage whose choices are ``tiles`` is left out."""
+    out = []
+    for stage in STAGES:
+        chosen = set()
+        for t in tiles:
+            best = min((u for u in (*tiles, row_tile) if u >= t), key=lambda u: times[stage, u])
+            pick = best if times[stage, best] < TUNE_MARGIN * times[stage, t] else t
+            if pick != row_tile:
+                chosen.add(pick)
+        if tuple(sorted(chosen)) != tuple(tiles):
+            out.append((stage, tuple(sorted(chosen))))
+    return tuple(out)
+
+
 def certified_tiles(weights: Weights, cfg: ModelConfig, row_tile: int, *, attention: str,
                     mesh=None, enabled: bool = True,
-                    compiler_options: tuple[tuple[str, Any], ...] = ()) -> tuple[int, ...]:
-    """The small row tiles this backend certifies for the model (``certify_row_tiles``), the
-    ``RunConfig``'s: on one CPU device only (a mesh's sharded bodies are not probed; on
-    accelerators a step's few rows are not what a decode step costs)."""
+                    compiler_options: tuple[tuple[str, Any], ...] = ()) -> tuple[tuple, tuple]:
+    """(the small row tiles this backend certifies for the model, ``certify_row_tiles``; each
+    stage's among them, ``tune_stage_tiles``), the ``RunConfig``'s: on one CPU device only (a
+    mesh's sharded bodies are not probed; on accelerators a step's few rows are not what a
+    decode step costs)."""
     if not enabled or mesh is not None or jax.default_backend() != "cpu":
-        return ()
-    return certify_row_tiles(weights, cfg, row_tile, attention=attention,
-                             compiler_options=compiler_options)
+        return (), ()
+    tiles = certify_row_tiles(weights, cfg, row_tile, attention=attention,
+                              compiler_options=compiler_options)
+    return tiles, tune_stage_tiles(weights, cfg, row_tile, tiles, attention=attention,
+                                   compiler_options=compiler_options)

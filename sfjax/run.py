@@ -67,6 +67,9 @@ class RunConfig:
     small_tiles, draft_small_tiles: row tiles below ``row_tile`` certified on this backend to
         give ``row_tile``'s bits for the target and the draft (``rows.certified_tiles``; the
         engine sets them on one CPU device); () runs ``row_tile`` tiles only.
+    stage_tiles, draft_stage_tiles: (stage, tiles) pairs, the small tiles a stage of
+        ``rows.STAGES`` runs in where not all of them (``rows.Tiling.stages``; the engine's are
+        ``rows.tune_stage_tiles``'), each a subset of the model's small tiles.
     matmul: None runs every matmul in row tiles of ``row_tile`` (XLA dots); a
         ``pallas_kernels.matmul`` impl ("interpret", "triton", "mosaic_tpu") runs each as one
         batch-invariant Pallas launch over all of a call's rows (q|k|v and gate|up fused, each
@@ -87,6 +90,8 @@ class RunConfig:
     small_tiles: tuple[int, ...] = ()
     draft_small_tiles: tuple[int, ...] = ()
     matmul: str | None = "auto"
+    stage_tiles: tuple = ()
+    draft_stage_tiles: tuple = ()
 
     def __post_init__(self):
         f = lambda name: f"RunConfig.{name}"
@@ -129,6 +134,9 @@ class RunConfig:
                 raise ValueError(f"{f(name)} = {tiles!r} is out of range: must be tiles below "
                                  f"row_tile ({self.row_tile}) that divide it")
             object.__setattr__(self, name, tuple(sorted(set(tiles))))
+        for name, small in (("stage_tiles", self.small_tiles),
+                            ("draft_stage_tiles", self.draft_small_tiles)):
+            object.__setattr__(self, name, _stages(f(name), getattr(self, name), small))
 
     @property
     def head(self):
@@ -151,12 +159,13 @@ class RunConfig:
     @property
     def tiling(self) -> rows.Tiling:
         """How the target's calls compute their rows."""
-        return rows.Tiling(self.row_tile, self.small_tiles, self.matmul)
+        return rows.Tiling(self.row_tile, self.small_tiles, self.matmul, self.stage_tiles)
 
     @property
     def draft_tiling(self) -> rows.Tiling:
         """How the draft model's calls compute their rows."""
-        return rows.Tiling(self.row_tile, self.draft_small_tiles, self.matmul)
+        return rows.Tiling(self.row_tile, self.draft_small_tiles, self.matmul,
+                           self.draft_stage_tiles)
 
     @property
     def head_tiling(self) -> rows.Tiling:
@@ -187,4 +196,20 @@ class RunConfig:
         """The same run without speculation: what a plain round is specialised on (shared by
         plain and speculating engines of one model)."""
         return dataclasses.replace(self, speculative_config=None, draft_mesh=None,
-                                   draft_small_tiles=())
+                                   draft_small_tiles=(), draft_stage_tiles=())
+
+
+def _stages(field: str, stages, small: tuple[int, ...]) -> tuple:
+    """``stages`` ((stage, tiles) pairs) as ``rows.Tiling.stages``: each stage of ``rows.STAGES``
+    at most once, its tiles among ``small``; else ValueError naming ``field``."""
+    try:
+        pairs = tuple((stage, tuple(sorted(set(tiles)))) for stage, tiles in stages)
+    except (TypeError, ValueError):
+        pairs = None
+    names = [stage for stage, _ in pairs or ()]
+    if (pairs is None or len(set(names)) != len(names)
+            or not all(stage in rows.STAGES and set(t) <= set(small) for stage, t in pairs)):
+        raise ValueError(f"{field} = {stages!r} is out of range: must be (stage, tiles) pairs, "
+                         f"each stage of {rows.STAGES} at most once, its tiles among the small "
+                         f"tiles {small}")
+    return tuple(sorted(pairs, key=lambda p: rows.STAGES.index(p[0])))

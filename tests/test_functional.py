@@ -347,6 +347,10 @@ def test_logit_bias_and_allowed_token_ids_equal_llm_generate(pair, engine):
     (dict(attention="fast"), r"RunConfig.attention = 'fast': must be one of"),
     (dict(matmul="cublas"), r"RunConfig.matmul = 'cublas': must be one of None"),
     (dict(small_tiles=(3,)), r"RunConfig.small_tiles = \(3,\) is out of range"),
+    (dict(small_tiles=(2,), stage_tiles=(("mlp", (4,)),)),
+     r"RunConfig.stage_tiles = .* is out of range: .* its tiles among the small tiles \(2,\)"),
+    (dict(stage_tiles=(("gemm", ()),)), r"RunConfig.stage_tiles = .* is out of range"),
+    (dict(draft_stage_tiles=(("mlp", ()), ("mlp", ()))), r"RunConfig.draft_stage_tiles = .*"),
 ])
 def test_the_run_config_names_a_bad_field(pair, bad, match):
     with pytest.raises(ValueError, match=match):

@@ -16,21 +16,21 @@ CFG = toy.tiny_config()
 BS, MAX_BLOCKS = 8, 16
 
 
-@functools.partial(jax.jit, static_argnames=("small_tiles",))
-def _run(w, cache, tokens, positions, slots, tables, small_tiles=()):
-    tiling = R.Tiling(8, small_tiles)
+@functools.partial(jax.jit, static_argnames=("small_tiles", "stages"))
+def _run(w, cache, tokens, positions, slots, tables, small_tiles=(), stages=()):
+    tiling = R.Tiling(8, small_tiles, stages=stages)
     h, cache = model.forward(w, cache, tokens, positions, slots, tables, CFG, tiling)
     return model.logits(w, h, CFG, tiling), cache
 
 
-def _call(w, cache, rows, tables, n, small_tiles=()):
+def _call(w, cache, rows, tables, n, small_tiles=(), stages=()):
     """rows: list of (token, position, slot), padded to n rows."""
     t = np.zeros(n, np.int32)
     p = np.full(n, -1, np.int32)
     s = np.full(n, -1, np.int32)
     for i, (tok, pos, slot) in enumerate(rows):
         t[i], p[i], s[i] = tok, pos, slot
-    return _run(w, cache, t, p, s, tables, small_tiles)
+    return _run(w, cache, t, p, s, tables, small_tiles, stages)
 
 
 @pytest.fixture(scope="module")
@@ -80,16 +80,17 @@ def test_stale_kv_past_a_rows_position_is_invisible(setup):
     assert (np.asarray(got)[:20] == np.asarray(ref)[:20]).all()
 
 
-def _decodes_like_prefill(w, tables, small_tiles, seq, ref) -> bool:
+def _decodes_like_prefill(w, tables, small_tiles, seq, ref, stages=()) -> bool:
     """Whether ``seq`` decoded alone (one row a step), then by three slots at once (three rows),
-    with ``small_tiles``, gives every row the logits ``ref`` of its prefill in tiles of 8."""
+    with ``small_tiles`` (each stage in its own, ``stages``), gives every row the logits ``ref``
+    of its prefill in tiles of 8."""
     cache = KVCache.zeros(CFG, 8 * MAX_BLOCKS + 1, BS)
     for i, tok in enumerate(seq):
         rows = [(tok, i, 0)] if i < 15 else [(tok, i, s) for s in (0, 1, 2)]
         if i == 15:                         # slots 1 and 2 catch up to slot 0 in one step
             _, cache = _call(w, cache, [(t, j, s) for s in (1, 2) for j, t in enumerate(seq[:15])],
-                             tables, 32, small_tiles)
-        logits, cache = _call(w, cache, rows, tables, 8, small_tiles)
+                             tables, 32, small_tiles, stages)
+        logits, cache = _call(w, cache, rows, tables, 8, small_tiles, stages)
         if not all((np.asarray(logits)[r] == ref[i]).all() for r in range(len(rows))):
             return False
     return True
@@ -113,6 +114,78 @@ def test_the_small_tile_certificate_is_what_decoding_shows(setup):
     shown = tuple(t for t in (1, 2, 4) if _decodes_like_prefill(w, tables, (t,), seq, ref))
     assert shown == tiles, f"certified {tiles}, but decoding keeps the bits in tiles {shown}"
     assert _decodes_like_prefill(w, tables, tiles, seq, ref)
+
+
+def test_each_stage_in_its_own_certified_tiles_keeps_the_bits(setup):
+    """``Tiling.stages`` (``rows.tune_stage_tiles`` picks them by speed): a stage's one-tile
+    calls in its own tiles among the certified ones, others in whole tiles, give every row its
+    prefill's bits, whatever the mix."""
+    w, tables = setup
+    tiles = R.certify_row_tiles(w, CFG, 8, (2, 4))
+    seq = np.random.default_rng(3).integers(0, CFG.vocab_size, 30)
+    ref, _ = _call(w, KVCache.zeros(CFG, 8 * MAX_BLOCKS + 1, BS),
+                   [(t, i, 0) for i, t in enumerate(seq)], tables, 32)
+    for stages in [(("mlp", tiles[-1:]), ("head", tiles[:1])),
+                   (("qkv", ()), ("o", tiles[-1:]), ("down", ()))]:
+        assert _decodes_like_prefill(w, tables, tiles, seq, np.asarray(ref), stages), stages
+
+
+def test_a_stage_runs_in_its_own_small_tiles():
+    """``Rows.apply(..., stage=)`` runs a one-tile call in the smallest of the stage's tiles that
+    holds its valid rows (the call's ``small`` where the stage is not named); a call under a
+    mesh runs whole tiles."""
+    tiling = R.Tiling(8, (2, 4), stages=(("mlp", (4,)), ("head", ())))
+    f = jax.jit(lambda valid, stage: tiling.rows(valid).apply(lambda t: t * t.shape[0],
+                                                             jnp.ones((8, 3)), stage=stage),
+                static_argnums=1)
+    one, three = jnp.arange(8) < 1, jnp.arange(8) < 3
+    for stage, tile_of_one, tile_of_three in [("qkv", 2, 4), (None, 2, 4), ("mlp", 4, 4),
+                                              ("head", 8, 8)]:
+        assert float(f(one, stage)[0, 0]) == tile_of_one and float(f(three, stage)[0, 0]) == tile_of_three
+    assert tiling.rows(one, split=True).tiling == R.Tiling(8)
+
+
+def test_each_stage_takes_the_tile_it_runs_fastest_in():
+    """``rows._stage_choice``: for the calls each certified tile is the smallest to hold, the
+    fastest tile of at least as many rows, if it beats that tile by ``TUNE_MARGIN``; only the
+    stages whose choice is not every certified tile are named."""
+    times = {(s, t): 1.0 for s in R.STAGES for t in (2, 4, 8)}
+    times.update({("mlp", 2): 2.0, ("mlp", 8): 1.5,             # 4 rows for 1..4 rows
+                  ("head", 4): 0.95,                             # within the margin: 2 kept
+                  ("down", 2): 3.0, ("down", 4): 3.0})           # whole tiles
+    assert R._stage_choice(times, (2, 4), 8) == (("mlp", (4,)), ("down", ()))
+    assert R._stage_choice(times, (4,), 8) == (("down", ()),)
+
+
+def test_the_stage_choice_is_probed_and_kept_across_processes(setup, monkeypatch, tmp_path):
+    """``rows.tune_stage_tiles``: a choice is timed twice, probed as a certificate is (the probe
+    runs the stages in their tiles), kept on disk and taken by a new process without timing
+    again; a choice the second timing does not repeat, or whose probe shows other bits, is
+    dropped."""
+    w, _ = setup
+    monkeypatch.setenv("SFJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(R, "_TUNED", {})
+    slow_mlp = lambda weights, ts, options, stages=R.STAGES: {
+        (s, t): 2.0 if (s, t) == ("mlp", 2) else 1.0 for s in R.STAGES for t in ts}
+    monkeypatch.setattr(R, "_stage_times", slow_mlp)
+    probed = []
+    monkeypatch.setattr(R, "_certify", lambda *a: probed.append(a[6]) or a[3])   # passes
+    assert R.tune_stage_tiles(w, CFG, 8, (2, 4)) == (("mlp", (4,)),)
+    assert probed == [(("mlp", (4,)),)]
+    monkeypatch.setattr(R, "_TUNED", {})                    # as a new process
+    monkeypatch.setattr(R, "_stage_times", lambda *a: pytest.fail("timed again"))
+    assert R.tune_stage_tiles(w, CFG, 8, (2, 4)) == (("mlp", (4,)),) and len(probed) == 1
+    monkeypatch.setattr(R, "_TUNED", {})
+    monkeypatch.setenv("SFJAX_CACHE_DIR", "off")
+    monkeypatch.setattr(R, "_stage_times", slow_mlp)
+    monkeypatch.setattr(R, "_certify", lambda *a: a[3][:1])                     # tile 4 fails
+    assert R.tune_stage_tiles(w, CFG, 8, (2, 4)) == ()
+    monkeypatch.setattr(R, "_TUNED", {})
+    monkeypatch.setattr(R, "_certify", lambda *a: a[3])
+    timings = iter([slow_mlp(w, (2, 4, 8), {}), {(s, t): 1.0 for s in R.STAGES for t in (2, 4, 8)}])
+    monkeypatch.setattr(R, "_stage_times", lambda *a: next(timings))           # not repeated
+    assert R.tune_stage_tiles(w, CFG, 8, (2, 4)) == ()
+    assert R.tune_stage_tiles(w, CFG, 8, ()) == ()
 
 
 def test_per_tile_sized_picks_the_smallest_tile_that_holds_the_rows():

@@ -137,7 +137,7 @@ class Engine:
                                 self.registry, mesh, self._split, tiles, self.weights.embed,
                                 config.max_num_seqs) if speculative else None)
         self.state = self._initial_state()
-        self.run = self._run_config(tiles(cfg, self.weights))
+        self.run = self._run_config(*tiles(cfg, self.weights))
         self._programs = programs.ByWidths(self, self.slots.widths)   # freed with the engine
         self.buckets = compile.Buckets(self.config, dp, self.spec, self.scheduler.shard_of, self.run)
         self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
@@ -203,9 +203,10 @@ class Engine:
         return self.dp * (1 + min(config.max_num_seqs // self.dp * blocks_per_seq,
                                   max(1, config.kv_cache_bytes // per_block))), per_block
 
-    def _run_config(self, small_tiles: tuple[int, ...]) -> RunConfig:
+    def _run_config(self, small_tiles: tuple[int, ...], stage_tiles: tuple) -> RunConfig:
         """What the engine's programs are specialised on, from its settings (``EngineConfig``'s
-        device fields, the speculator's draft and mesh) and the certified small tiles."""
+        device fields, the speculator's draft and mesh), the certified small tiles and each
+        stage's among them."""
         c, spec = self.config, self.spec
         return RunConfig(
             model=self.cfg, max_model_len=c.max_model_len, block_size=c.block_size,
@@ -214,7 +215,8 @@ class Engine:
             row_tile=c.row_tile, sampler=c.sampler, attention=c.attention,
             layer_loop="unrolled" if self._split else "scan", mesh=self.mesh,
             draft_mesh=None if spec is None else spec.mesh, small_tiles=small_tiles,
-            draft_small_tiles=() if spec is None else spec.small_tiles, matmul=c.matmul)
+            draft_small_tiles=() if spec is None else spec.small_tiles, matmul=c.matmul,
+            stage_tiles=stage_tiles, draft_stage_tiles=() if spec is None else spec.stage_tiles)
 
     # -- admission ---------------------------------------------------------------------------
 

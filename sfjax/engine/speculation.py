@@ -63,8 +63,8 @@ class Speculator:
         """``draft``: the draft model's (config, weights), or for ``eagle3`` the head's
         (``eagle.HeadConfig``, ``eagle.HeadWeights``), which shares the target's placed
         embedding ``embed`` unless it has its own and keeps state for ``max_num_seqs`` slots.
-        ``tiles``: (cfg, placed weights) -> the model's certified small row tiles (the
-        engine's ``rows.certified_tiles``), for the draft."""
+        ``tiles``: (cfg, placed weights) -> the model's certified small row tiles and each
+        stage's among them (the engine's ``rows.certified_tiles``), for the draft."""
         self.config = config
         self.k_max = config.num_speculative_tokens
         self.head_cfg = None               # eagle3: the head's config; the draft model is None
@@ -82,6 +82,7 @@ class Speculator:
         self.certificate = self.registry.slots[self.slot]
         self.mesh = None
         self.small_tiles: tuple[int, ...] = ()      # the draft's certified small row tiles
+        self.stage_tiles: tuple = ()                # and each stage's among them
         if self.draft_cfg is not None and mesh is not None:
             self.mesh = sharding.draft_mesh(mesh, config.draft_tensor_parallel_size
                                             or sharding.tp_of(mesh))
@@ -90,7 +91,7 @@ class Speculator:
             self.draft_weights = sharding.place_weights(self.draft_weights, self.draft_cfg, self.mesh,
                                                      split)
             if tiles is not None and self.mesh is None:
-                self.small_tiles = tiles(self.draft_cfg, self.draft_weights)
+                self.small_tiles, self.stage_tiles = tiles(self.draft_cfg, self.draft_weights)
         if config.prompt_lookup_table is not None:      # the n-gram table rides as "draft weights"
             t = table.load(config.prompt_lookup_table, cfg.vocab_size)
             self.draft_weights = t if mesh is None else sharding.put(
