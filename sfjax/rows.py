@@ -470,7 +470,8 @@ def _stage_times(weights: Weights, tiles: tuple[int, ...], options: dict,
 
     runs = {(stage, t): (product(t), mats(stage)) for stage in stages for t in tiles}
     best = {(stage, t): 0.0 for stage in STAGES for t in tiles} | dict.fromkeys(runs, float("inf"))
-    flush, junk = jax.jit(jnp.sum), jnp.ones(FLUSH_BYTES // 4, jnp.float32)
+    flush = jax.jit(lambda x: jnp.sum(x))       # a fresh closure: freed with this call
+    junk = jnp.ones(FLUSH_BYTES // 4, jnp.float32)
     for _ in range(repeats):
         for key, (fn, ms) in runs.items():
             jax.block_until_ready(fn(ms))
