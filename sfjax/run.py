@@ -68,8 +68,8 @@ class RunConfig:
         give ``row_tile``'s bits for the target and the draft (``rows.certified_tiles``; the
         engine sets them on one CPU device); () runs ``row_tile`` tiles only.
     stage_tiles, draft_stage_tiles: (stage, tiles) pairs, the small tiles a stage of
-        ``rows.STAGES`` runs in where not all of them (``rows.Tiling.stages``; the engine's are
-        ``rows.tune_stage_tiles``'), each a subset of the model's small tiles.
+        ``rows.STAGES`` runs in where not all of them (``rows.Tiling.stages``; the engine's
+        come from ``rows.tune_stage_tiles``), each a subset of the model's small tiles.
     matmul: None runs every matmul in row tiles of ``row_tile`` (XLA dots); a
         ``pallas_kernels.matmul`` impl ("interpret", "triton", "mosaic_tpu") runs each as one
         batch-invariant Pallas launch over all of a call's rows (q|k|v and gate|up fused, each
