@@ -93,26 +93,13 @@ def weight_floor(llm, repeats: int = 200) -> tuple[float, float]:
     """(seconds, bytes): one tile of rows through every weight matrix ``llm``'s engine holds,
     the products summed to a scalar, best of ``repeats`` calls."""
     import jax
-    import jax.numpy as jnp
 
     from sfjax import rows
-    from sfjax.weights import multiplied
 
     eng = llm.engine
     tiling = eng.run.of_device().tiling
-    t = min(tiling.small or (tiling.tile,))
-    mats = []
-    for f in dataclasses.fields(eng.weights):
-        a = getattr(eng.weights, f.name)
-        if a is None or not multiplied(f.name):
-            continue
-        for m in (a if isinstance(a, (tuple, list)) else [a]):
-            mats += list(m) if m.ndim == 4 else [m]      # stacked layers: one per layer
-
-    @jax.jit
-    def through(mats):
-        return sum(jnp.sum(rows.matmul(jnp.ones((t, m.shape[1]), m.dtype), m)[:, :1])
-                   for m in mats)
+    mats = sum(rows.stage_matrices(eng.weights).values(), [])
+    through = rows.tile_through(min(tiling.small or (tiling.tile,)))
     jax.block_until_ready(through(mats))
     best = float("inf")
     for _ in range(repeats):

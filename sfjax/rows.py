@@ -335,9 +335,7 @@ def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
     from sfjax import certificate_cache
 
     cands = tuple(sorted(t for t in set(candidates) if t < row_tile and row_tile % t == 0))
-    key = (cfg, row_tile, cands, attention, jax.default_backend(),
-           isinstance(weights.wq, (tuple, list)),
-           tuple(str(x.dtype) for x in jax.tree.leaves(weights)), tuple(compiler_options))
+    key = _probe_key(weights, cfg, row_tile, cands, attention, compiler_options)
     if key not in _CERTIFIED and cands:
         found = certificate_cache.recall(key)
         if found is None:
@@ -345,6 +343,17 @@ def certify_row_tiles(weights: Weights, cfg: ModelConfig, row_tile: int = 8,
             certificate_cache.remember(key, found)
         _CERTIFIED[key] = found
     return _CERTIFIED.get(key, ())
+
+
+def _probe_key(weights: Weights, cfg: ModelConfig, row_tile: int, tiles, attention: str,
+               compiler_options) -> tuple:
+    """What a probe's answer follows (the certificate's, the stage tiles'): the model's shape
+    (not its special token ids: engines that differ only there share programs), the tiles,
+    attention, backend, layout, dtypes and XLA options."""
+    shape = dataclasses.replace(cfg, bos_token_id=None, eos_token_ids=())
+    return (shape, row_tile, tuple(tiles), attention, jax.default_backend(),
+            isinstance(weights.wq, (tuple, list)),
+            tuple(str(x.dtype) for x in jax.tree.leaves(weights)), tuple(compiler_options))
 
 
 def _certify(weights: Weights, cfg: ModelConfig, row_tile: int, cands, attention: str,
@@ -405,17 +414,13 @@ def tune_stage_tiles(weights: Weights, cfg: ModelConfig, row_tile: int, tiles: t
     blocks ([256, 80]) twice as fast at 4 rows as at 2, and its LM head blocks ([256, 512])
     faster at 2 (BENCHMARKS.md). The whole choice is then probed as the certificate probes a
     tile (``_certify``), and () is kept if it gives other bits. Kept like the certificate, per
-    process and on disk (``sfjax.certificate_cache``), by the model's shape (not its special
-    token ids: engines that differ only there share programs): timings differ between runs, the
-    bits of any certified choice do not."""
+    process and on disk (``sfjax.certificate_cache``, ``_probe_key``): timings differ between
+    runs, the bits of any certified choice do not."""
     from sfjax import certificate_cache
 
     if not tiles:
         return ()
-    shape = dataclasses.replace(cfg, bos_token_id=None, eos_token_ids=())   # what it times
-    key = ("stages", shape, row_tile, tuple(tiles), attention, jax.default_backend(),
-           isinstance(weights.wq, (tuple, list)),
-           tuple(str(x.dtype) for x in jax.tree.leaves(weights)), tuple(compiler_options))
+    key = ("stages", *_probe_key(weights, cfg, row_tile, tiles, attention, compiler_options))
     if key not in _TUNED:
         found = certificate_cache.recall(key, _as_stages)
         if found is None:
@@ -446,6 +451,27 @@ def _as_stages(stored):
 FLUSH_BYTES = 64 << 20   # read between timed calls, to push the weights out of the caches
 
 
+def stage_matrices(weights: Weights) -> dict[str, list]:
+    """{stage: its blocked weight matrices, every layer's} (``STAGE_WEIGHTS``)."""
+    weights = block_weights(weights)
+    layers = layer_arrays(weights)
+    out = {}
+    for stage, names in STAGE_WEIGHTS.items():
+        out[stage] = []
+        for name in names:
+            a = weights.lm_head if name == "lm_head" else layers[name]
+            out[stage] += list(a) if isinstance(a, (tuple, list)) or a.ndim == 4 else [a]
+    return out
+
+
+def tile_through(t: int, options: dict | None = None):
+    """A fresh jitted function: a tile of t rows (ones) times each of a list of blocked matrices
+    (``matmul``), the products summed to a scalar; what ``_stage_times`` and the benchmarks'
+    weight-read floor (``scripts/bench_host.py``) time."""
+    return jax.jit(lambda ms: sum(jnp.sum(matmul(jnp.ones((t, m.shape[1]), m.dtype), m)[:, :1])
+                                  for m in ms), compiler_options=options or None)
+
+
 def _stage_times(weights: Weights, tiles: tuple[int, ...], options: dict,
                  stages: tuple[str, ...] = STAGES, repeats: int = 3, calls: int = 3) -> dict:
     """{(stage, t): seconds} for ``stages`` (the others: the same for every t): every weight of
@@ -454,21 +480,8 @@ def _stage_times(weights: Weights, tiles: tuple[int, ...], options: dict,
     of the CPU's caches (``FLUSH_BYTES`` read before it), as in a round, whose other stages push
     them out: YNNPACK's speed on the demo model's gate and up blocks follows the tile only
     then."""
-    weights = block_weights(weights)
-    layers = layer_arrays(weights)
-
-    def mats(stage):
-        out = []
-        for name in STAGE_WEIGHTS[stage]:
-            a = weights.lm_head if name == "lm_head" else layers[name]
-            out += list(a) if isinstance(a, (tuple, list)) or a.ndim == 4 else [a]
-        return out
-
-    def product(t):
-        return jax.jit(lambda ms: sum(jnp.sum(matmul(jnp.ones((t, m.shape[1]), m.dtype), m)[:, :1])
-                                      for m in ms), compiler_options=options or None)
-
-    runs = {(stage, t): (product(t), mats(stage)) for stage in stages for t in tiles}
+    mats = stage_matrices(weights)
+    runs = {(stage, t): (tile_through(t, options), mats[stage]) for stage in stages for t in tiles}
     best = {(stage, t): 0.0 for stage in STAGES for t in tiles} | dict.fromkeys(runs, float("inf"))
     flush = jax.jit(lambda x: jnp.sum(x))       # a fresh closure: freed with this call
     junk = jnp.ones(FLUSH_BYTES // 4, jnp.float32)
