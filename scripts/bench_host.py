@@ -114,8 +114,11 @@ def profile(llm, prompts, params, top: int) -> None:
     the device's operations (XLA:CPU's thunks, read off the threads its thunk executor names
     ``tf_XLAEigen``), and the ``top`` that took the most time, each with its output shape and
     what it computes (the compiled round program's HLO). Self times: a loop's or a branch's
-    own, without the operations inside it. Profiling slows every thunk a little; read the
-    shares, not the sum."""
+    own, without the operations inside it. Profiling slows every thunk a little, and some
+    YNNPACK dots a lot (on the CPU box the demo target's k projection in a 2-row tile took
+    160-360 us a round profiled, its twin v 15 us, while unprofiled the q | k | v stage ran as
+    fast in 2 rows as in 4; a profiled plain round took 1.5-2.6 ms against 1.0-1.3): read the
+    count and the other operations' shares, and time a suspect by changing it, not by this."""
     import collections
     import glob
     import gzip

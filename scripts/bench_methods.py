@@ -12,9 +12,11 @@ the 8 prompts, 128 tokens each, EOS ignored, at most --batch-size at once). At T
 request has its own seed (``--seed`` + i). ``--mixed`` adds as many prompts of random token ids,
 where little is accepted (adaptive k's case). ``--ngram-k`` adds the n-gram + table engine at
 those k (``auto`` too), to see what a round costs by its verify rows. Reported per method: output
-tok/s, the ratio to sfjax plain of the same batch size and temperature, the device rounds and the
-pass's wall time per round, acceptance rate and mean acceptance length, and whether the tokens
-equal plain decoding's (``exact`` promises it). With HF (batch 1 only): HF
+tok/s, the ratio to sfjax plain of the same batch size and temperature, the same ratio for
+decoding alone (``decode``: the requests' mean time per output token after their first, whose
+time is the prefill's), the device rounds and the pass's wall time per round, acceptance rate
+and mean acceptance length, and whether the tokens equal plain decoding's (``exact`` promises
+it). With HF (batch 1 only): HF
 ``generate`` plain, with the draft as assistant model (k = 4) and with prompt lookup (k = 3), as
 ``sfjax bench --compare-hf`` runs them, in the same turns.
 """
@@ -25,6 +27,8 @@ import argparse
 import json
 import os
 import sys
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         best[name] = r
             plain = best["plain"]
             rate = lambda r: r["output_tokens"] / r["duration"]
+            # a request's time per token after its first (its prefill's): decoding alone
+            tpot = lambda r: float(np.mean(r["tpot"])) if r.get("tpot") else None
             print(f"\nbatch {batch}, T = {temperature}")
             for name, r in best.items():
                 s = r.get("spec") or {}
@@ -125,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                        "rounds": r.get("rounds"),
                        "ms_per_round": r.get("rounds") and round(1e3 * r["duration"] / r["rounds"],
                                                                   3),
+                       "tpot_ms": tpot(r) and round(1e3 * tpot(r), 4),
+                       "decode_vs_plain": tpot(r) and round(tpot(plain) / tpot(r), 3),
                        "acceptance_rate": s.get("acceptance_rate"),
                        "mean_acceptance_length": s.get("mean_acceptance_length"),
                        "tokens_equal_plain": r["tokens"] == plain["tokens"]}
@@ -133,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                        f"{s['mean_acceptance_length']:.2f}" if s else "")
                 per = (f"  {row['rounds']} rounds, {row['ms_per_round']:.3f} ms/round"
                        if row["rounds"] else "")
-                print(f"  {name:<18}{row['tok_s']:>9.1f} tok/s  {row['vs_plain']:.2f}x plain{per}"
+                dec = (f"  decode {row['decode_vs_plain']:.2f}x ({row['tpot_ms']:.3f} ms/token)"
+                       if row["tpot_ms"] else "")
+                print(f"  {name:<18}{row['tok_s']:>9.1f} tok/s  {row['vs_plain']:.2f}x plain{dec}{per}"
                       f"{acc}{'' if row['tokens_equal_plain'] else '  (tokens differ)'}")
     if args.json:
         with open(args.json, "w") as f:

@@ -130,13 +130,16 @@ def num_tiles_of(valid_rows, row_tile: int):
 
 def per_tile_sized(fn, row_tile: int, small_tiles: tuple[int, ...], valid_rows, *xs):
     """``per_tile``, but for a step of one tile (N = ``row_tile``: decode at small batch) whose
-    valid rows all fall in the first t rows for a t in ``small_tiles`` (the smallest such), one
-    tile of t rows instead, chosen at run time. Rows of skipped tiles come out zero; with no valid
-    row nothing runs. Larger steps keep ``per_tile`` alone: each branch is compiled, and a step of
-    more tiles rarely has only a few valid rows.
+    valid rows all fall in the first t rows for a t in ``small_tiles`` (the smallest such), ``fn``
+    on those t rows alone instead, chosen at run time: one call in its own branch of a
+    ``lax.switch``, with no tile loop around it (a branch is compiled on its own, as a loop's body
+    is; the loops cost the demo target's batch-1 round 128 of its 623 operations). Rows past the
+    tile come out zero; with no valid row nothing runs. Larger steps keep ``per_tile`` alone:
+    each branch is compiled, and a step of more tiles rarely has only a few valid rows.
 
     small_tiles: tile sizes below ``row_tile`` that divide it, certified to give ``fn``'s bits of
-    a ``row_tile`` tile row for row (``certify_row_tiles``); () is ``per_tile``.
+    a ``row_tile`` tile row for row (``certify_row_tiles``, which probes this very call); () is
+    ``per_tile``.
     """
     n = jax.tree.leaves(xs)[0].shape[0]
     small = sorted(t for t in set(small_tiles) if t < row_tile and row_tile % t == 0)
@@ -144,9 +147,15 @@ def per_tile_sized(fn, row_tile: int, small_tiles: tuple[int, ...], valid_rows, 
     whole = lambda xs: per_tile(fn, row_tile, (last + row_tile - 1) // row_tile, *xs)
     if not small or n != row_tile:
         return whole(xs)
-    branches = [lambda xs, t=t: per_tile(fn, t, jnp.minimum(last, 1), *xs) for t in small]
-    index = sum((last > t).astype(jnp.int32) for t in small)
-    return lax.switch(index, branches + [whole], xs)
+    head = lambda t, xs: jax.tree.map(lambda x: x[:t], xs)
+    shapes, first = traced(fn, *head(small[0], xs))    # the smallest tile's trace, replayed
+    pad = lambda t, y: jax.tree.map(
+        lambda v: jnp.concatenate([v, jnp.zeros((n - t, *v.shape[1:]), v.dtype)]), y)
+    none = lambda xs: jax.tree.map(lambda s: jnp.zeros((n, *s.shape[1:]), s.dtype), shapes)
+    tiles = [lambda xs, t=t: pad(t, (first if t == small[0] else fn)(*head(t, xs)))
+             for t in small]
+    index = (last > 0).astype(jnp.int32) + sum((last > t).astype(jnp.int32) for t in small)
+    return lax.switch(index, [none, *tiles, whole], xs)
 
 
 @dataclasses.dataclass(frozen=True)

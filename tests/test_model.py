@@ -200,6 +200,17 @@ def test_per_tile_sized_picks_the_smallest_tile_that_holds_the_rows():
         assert (np.asarray(f(jnp.zeros(n, bool))) == 0).all()      # nothing valid: nothing runs
 
 
+def test_a_small_tile_is_one_call_without_a_loop():
+    """A step whose rows fit a certified small tile calls the stage once on that tile, in its
+    branch of the switch with no tile loop around it (the loops cost the demo target's batch-1
+    round a fifth of its operations); the whole tile's branch alone loops."""
+    f = lambda valid: R.per_tile_sized(lambda t: t * 2.0, 8, (2, 4), valid, jnp.ones((8, 3)))
+    cond, = [e for e in jax.make_jaxpr(f)(jnp.ones(8, bool)).eqns if e.primitive.name == "cond"]
+    loops = [sum(e.primitive.name == "while" for e in branch.jaxpr.eqns)
+             for branch in cond.params["branches"]]
+    assert loops == [0, 0, 0, 1]        # nothing valid, a tile of 2, of 4, the whole tile
+
+
 def test_a_tile_loop_traces_its_body_once():
     """``per_tile`` needs its body's output shapes before the loop traces it: it traces the body
     once and replays the recording (``rows.traced``; tracing it for the shapes too cost a third of
