@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                        if row["rounds"] else "")
                 dec = (f"  decode {row['decode_vs_plain']:.2f}x ({row['tpot_ms']:.3f} ms/token)"
                        if row["tpot_ms"] else "")
-                print(f"  {name:<18}{row['tok_s']:>9.1f} tok/s  {row['vs_plain']:.2f}x plain{dec}{per}"
+                print(f"  {name:<18}{row['tok_s']:>9.1f} tok/s  {row['vs_plain']:.2f}x plain"
+                      f"{dec}{per}"
                       f"{acc}{'' if row['tokens_equal_plain'] else '  (tokens differ)'}")
     if args.json:
         with open(args.json, "w") as f:
