@@ -35,7 +35,7 @@ from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.sampling import Draws, Sampling
 from sfjax.spec import accept, eagle
-from sfjax.spec.config import adaptive_k, drafts_for
+from sfjax.spec.config import acceptance_level, adaptive_k, drafts_for, drafts_pay
 from sfjax.round import SpecBatch, round_step
 from sfjax.run import RunConfig
 from sfjax.spec.table import NgramTable
@@ -163,14 +163,15 @@ def _commit(st: State, order, live, out, emitted, accepted, drafted) -> State:
                                                    max_len))
     newest = jnp.take_along_axis(out, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
     spec = drafted > 0
+    taken = jnp.where(spec, jnp.minimum(accepted, emitted), 0)
     put = lambda old, new: old.at[order].set(jnp.where(live, new, old[order]))
     return dataclasses.replace(st, history=history, progress=dataclasses.replace(
         p, length=put(p.length, length + emitted), live=put(p.live, ~ended),
         last=put(p.last, jnp.where(emitted > 0, newest, p.last[order])),
         spec_rounds=put(p.spec_rounds, p.spec_rounds[order] + spec),
         drafted=put(p.drafted, p.drafted[order] + drafted),
-        accepted=put(p.accepted, p.accepted[order]
-                     + jnp.where(spec, jnp.minimum(accepted, emitted), 0))))
+        accepted=put(p.accepted, p.accepted[order] + taken),
+        rejected=put(p.rejected, p.rejected[order] + (spec & (taken < drafted)))))
 
 
 def prefill(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config,
@@ -457,13 +458,21 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0):
     p = st.progress
     _, _, budget = accept.left(st.table, order, length, plen, cfg.max_model_len)
     k_max = spec.num_speculative_tokens
-    table = spec.k_table(cfg.model)
+    table = cfg.k_table(order.shape[0])
     if table is not None:            # adaptive_k: each row's k from its own acceptance so far
-        k_max = adaptive_k(table, p.drafted[order], p.accepted[order], jnp)
+        k_max = adaptive_k(table, p.accepted[order], p.rejected[order],
+                           jnp.sum(live.astype(jnp.int32)), length - plen, jnp)
     k = drafts_for(k_max, budget, length, spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
     room = jnp.sum(st.block_tables[order] != 0, axis=1) * cfg.block_size - length
     on = spec.speculates_at(jnp.sum(live.astype(jnp.int32)) + running)
-    return jnp.where(live & p.drafts[order] & on & (k <= room), k, 0)
+    k = jnp.where(live & p.drafts[order] & on & (k <= room), k, 0)
+    if table is None:
+        return k
+    # adaptive_k: none of them if the round's drafts do not pay (the host's k is a bound)
+    pay = drafts_pay(k, acceptance_level(p.accepted[order], p.rejected[order], jnp), live,
+                     spec.num_speculative_tokens, spec.cost(cfg.model), cfg.row_tile, cfg.small_tiles, cfg.matmul is None,
+                     sharding.dp_of(cfg.mesh))
+    return jnp.where(pay, k, 0)
 
 
 def _packed_logit_rows(order, live, length, plen, first, k, r: int):

@@ -14,12 +14,13 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 from pallas_kernels.paged_attention import IMPLS as ATTENTION_IMPLS
 from pallas_kernels.matmul import KERNELS
 from pallas_kernels.sampling import IMPLS as SAMPLER_IMPLS
 from sfjax import checks as C
-from sfjax import model, rows
+from sfjax import model, rows, sharding
 from sfjax.config import ModelConfig, read_json
 from sfjax.round import RoundConfig
 from sfjax.spec import eagle
@@ -171,6 +172,16 @@ class RunConfig:
     def head_tiling(self) -> rows.Tiling:
         """How an EAGLE head's calls compute their rows (no small tile is certified for it)."""
         return rows.Tiling(self.row_tile, (), self.matmul)
+
+    def k_table(self, slots: int) -> np.ndarray | None:
+        """Adaptive k's table for rounds over ``slots`` slots (``SpeculativeConfig.k_table``, by
+        this run's row tiles, kernel and data shards); None without adaptive_k. The engine's
+        host and its rounds read this one table."""
+        spec = self.speculative_config
+        if spec is None or not spec.adaptive_k:
+            return None
+        return spec.k_table(self.model, slots, row_tile=self.row_tile, small=self.small_tiles,
+                            tiled=self.matmul is None, dp=sharding.dp_of(self.mesh))
 
     @property
     def k_max(self) -> int:

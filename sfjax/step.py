@@ -29,9 +29,10 @@ class Progress:
     length: jax.Array        # prompt + output tokens so far
     last: jax.Array          # the newest token (the history holds it at length - 1 once fed)
     live: jax.Array          # bool: the device lays out this slot's rows (it decodes)
-    drafted: jax.Array       # the request's draft tokens so far (adaptive_k reads them)
-    accepted: jax.Array      # its accepted drafts that were emitted
+    drafted: jax.Array       # the request's draft tokens so far
+    accepted: jax.Array      # its accepted drafts that were emitted (adaptive_k reads them)
     spec_rounds: jax.Array   # its rounds that drafted (vLLM's num_drafts)
+    rejected: jax.Array      # its rounds that rejected a draft (adaptive_k reads them)
     drafts: jax.Array        # bool: its request drafts (its strategy is the round's, not plain)
 
     @classmethod
@@ -41,11 +42,11 @@ class Progress:
         zeros = lambda: jnp.zeros_like(prompt_len)
         return cls(prompt_len=jnp.array(prompt_len), length=jnp.array(prompt_len), last=zeros(),
                    live=prompt_len > 0, drafted=zeros(), accepted=zeros(), spec_rounds=zeros(),
-                   drafts=prompt_len > 0)
+                   rejected=zeros(), drafts=prompt_len > 0)
 
     @classmethod
     def of_rows(cls, rows: np.ndarray) -> "Progress":
-        """The progress of int32 rows [U, 8], one column per field in order (the host's form:
+        """The progress of int32 rows [U, 9], one column per field in order (the host's form:
         ``sfjax.engine.slots``)."""
         return cls(*(rows[:, i].astype(bool if name in ("live", "drafts") else np.int32)
                      for i, name in enumerate(PROGRESS_FIELDS)))

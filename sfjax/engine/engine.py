@@ -138,6 +138,8 @@ class Engine:
                                 config.max_num_seqs) if speculative else None)
         self.state = self._initial_state()
         self.run = self._run_config(*tiles(cfg, self.weights))
+        if self.spec:
+            self.spec.k_table = self.run.k_table(config.max_num_seqs)
         self._programs = programs.ByWidths(self, self.slots.widths)   # freed with the engine
         self.buckets = compile.Buckets(self.config, dp, self.spec, self.scheduler.shard_of, self.run)
         self._pads: dict[tuple, tuple] = {}            # padding batches of those buckets
@@ -459,15 +461,15 @@ class Engine:
         prefill = [s for s in plan if not self._is_decode(s)]
         # each decoding request's drafts this round, as the device picks them (before its pages)
         on = self.spec is not None and self.spec.config.speculates_at(len(self.scheduler.running))
-        drafts = {req.request_id: self.spec.k_for(req, self.batches.budget(req))
+        drafts = {req.request_id: self.spec.k_for(req, self.batches.budget(req), len(decode))
                   for req in decode} if on else {}
         num_rounds = self._rounds_for(plan, decode, prefill, drafts)
         progress = np.zeros_like(self.slots.progress)        # every other slot: not live
-        for req in decode:            # its row (slots.PROGRESS_FIELDS); adaptive_k reads drafts
+        for req in decode:            # its row (slots.PROGRESS_FIELDS); adaptive_k reads counts
             m = req.spec_metrics or speculation.SpecMetrics()
             progress[req.slot] = (len(req.prompt_token_ids), req.num_tokens,
                                   req.output_token_ids[-1], 1, m.num_draft_tokens,
-                                  m.num_accepted_tokens, m.num_drafts,
+                                  m.num_accepted_tokens, m.num_drafts, m.num_rejections,
                                   bool(self.spec) and req.strategy_slot == self.spec.slot)
         with_logprobs = any(req.params.logprobs is not None for req in decode)
         batch, draft, meta, rows = self._host_rows(prefill, decode, with_logprobs)

@@ -29,7 +29,8 @@ from sfjax.rows import bucket
 from sfjax.step import PROGRESS_FIELDS, Progress
 
 # the columns of the host's progress rows (``SlotSync.progress``)
-PROMPT_LEN, LENGTH, LAST, LIVE, DRAFTED, ACCEPTED, SPEC_ROUNDS, DRAFTS = range(len(PROGRESS_FIELDS))
+PROMPT_LEN, LENGTH, LAST, LIVE, DRAFTED, ACCEPTED, SPEC_ROUNDS, REJECTED, DRAFTS = range(
+    len(PROGRESS_FIELDS))
 
 
 def rows_for(changed: int, num_slots: int) -> int:
@@ -149,3 +150,4 @@ class SlotSync:
             row[slots, DRAFTED] += drafted.sum(axis=0)
             row[slots, ACCEPTED] += accepted.sum(axis=0)
             row[slots, SPEC_ROUNDS] += (drafted > 0).sum(axis=0)
+            row[slots, REJECTED] += ((drafted > 0) & (accepted < drafted)).sum(axis=0)

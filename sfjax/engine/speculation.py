@@ -24,6 +24,7 @@ class SpecMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    num_rejections: int = 0       # drafting rounds that rejected a draft (adaptive_k reads them)
 
     def add(self, k: int, accepted: int) -> None:
         if k <= 0:
@@ -31,6 +32,7 @@ class SpecMetrics:
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted
+        self.num_rejections += accepted < k
         if len(self.accepted_per_pos) < k:
             self.accepted_per_pos += [0] * (k - len(self.accepted_per_pos))
         for j in range(accepted):
@@ -100,7 +102,7 @@ class Speculator:
         if self.head_cfg is not None:
             self.draft_weights = eagle.place(head, embed)
         self.metrics = SpecMetrics()
-        self.k_table = dataclasses.replace(config, model=self.round_model).k_table(cfg)
+        self.k_table = None          # adaptive k's (``RunConfig.k_table``), the engine's run's
 
     def initial_cache(self):
         """The proposer's state before any request (the slot state's ``draft_cache``): the draft
@@ -118,14 +120,14 @@ class Speculator:
         head's ``eagle.HeadConfig``, or None (``ngram``)."""
         return self.head_cfg if self.head_cfg is not None else self.draft_cfg
 
-    def k_for(self, req: Request, budget: int) -> int:
-        """Drafts for this row this round: 0 if it opted out, is past the draft's max_model_len,
-        or has at most one token left to emit."""
+    def k_for(self, req: Request, budget: int, live: int) -> int:
+        """Drafts for this row this round, one of ``live`` decoding rows: 0 if it opted out, is
+        past the draft's max_model_len, or has at most one token left to emit."""
         if req.strategy_slot != self.slot:
             return 0
         k = self.k_max
         if self.k_table is not None:                     # adaptive_k: from its acceptance
             m = req.spec_metrics
-            k = int(adaptive_k(self.k_table, m.num_draft_tokens if m else 0,
-                               m.num_accepted_tokens if m else 0))
+            k = int(adaptive_k(self.k_table, m.num_accepted_tokens if m else 0,
+                               m.num_rejections if m else 0, live, len(req.output_token_ids)))
         return int(drafts_for(k, budget, req.num_tokens, self.max_model_len))

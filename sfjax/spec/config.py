@@ -17,8 +17,11 @@ ACCEPTANCE = ("exact", "rejection_sampler", "typical_acceptance_sampler")
 MAX_SPECULATIVE_TOKENS = 128
 ADAPTIVE_MAX = 7          # "auto" drafts up to this many: k + 1 verify rows fill one 8-row tile
 ADAPTIVE_LEVELS = 64      # acceptance estimates are read to 1/64 (integers: host == device)
-ADAPTIVE_PRIOR = (2, 4)   # (accepted, drafted) counted before a request's own: an estimate of 1/2
-VERIFY_COST = 0.02        # one more verify row, in units of a target step (rows share tiles)
+ADAPTIVE_PRIOR = (2, 2)   # (accepted, rejected) counted before a request's own: an estimate of 1/2
+VERIFY_COST = 0.02        # one more verify row where a call's rows share one kernel launch
+SLOT_COST = 0.35          # a live slot's own work in a round (its attention, draws), in row tiles
+ADAPTIVE_PROBE = 8        # a request adaptive k keeps at 0 drafts 1 each time its output reaches
+                          # a multiple of this, so its acceptance is still measured
 
 
 def _check_method(method) -> None:
@@ -42,10 +45,12 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: the draft's tensor-parallel size (dividing the target's; default
     the target's); the draft is replicated over the rest of the target's model axis.
     disable_by_batch_size: no speculation in a step with at least this many running requests.
-    adaptive_k: each request drafts, every round, the k in 1..num_speculative_tokens that
+    adaptive_k: each request drafts, every round, the k in 0..num_speculative_tokens that
     maximises its expected tokens per unit of cost (``k_table``), from its own acceptance so
-    far; ``num_speculative_tokens: "auto"`` is adaptive_k up to ``ADAPTIVE_MAX``. One compiled
-    round serves every k (drafts past a row's k are masked), so nothing recompiles.
+    far and the round's live rows (one that drafts none still drafts one now and then,
+    ``ADAPTIVE_PROBE``); ``num_speculative_tokens: "auto"`` is adaptive_k up to
+    ``ADAPTIVE_MAX``. One compiled round serves every k (drafts past a row's k are masked), so
+    nothing recompiles.
     draft_cost: the cost of one draft token in units of a target step (default: the drafter's
     parameters over the target's; 0 for ngram), which adaptive_k weighs.
     """
@@ -171,27 +176,97 @@ class SpeculativeConfig:
             return self.model.num_params() / target.num_params()
         return 0.0
 
-    def k_table(self, target: ModelConfig) -> np.ndarray | None:
-        """With ``adaptive_k``, the k for each acceptance estimate a = i / ADAPTIVE_LEVELS
-        (int32 [ADAPTIVE_LEVELS + 1]): the k in 1..num_speculative_tokens maximising expected
-        tokens (1 - a**(k+1)) / (1 - a) per cost 1 + k * (cost + VERIFY_COST) (each draft
-        accepted with probability a, as Leviathan et al. model it). None without adaptive_k."""
+    def k_table(self, target: ModelConfig, slots: int = 1, *, row_tile: int = 8,
+                small: tuple[int, ...] = (), tiled: bool = True, dp: int = 1) -> np.ndarray | None:
+        """With ``adaptive_k``, each row's k for a round of b live rows (of ``slots``) at each
+        acceptance estimate a = i / ADAPTIVE_LEVELS (int32 [slots + 1, ADAPTIVE_LEVELS + 1]): the
+        k in 0..num_speculative_tokens maximising its ``expected_tokens`` per cost: the round's
+        when every live row verifies k + 1 rows over its cost at one row each (``round_cost``,
+        by the rows of a data shard), plus k * ``cost``. A verify row costs little at batch 1 and
+        as much as a slot's whole share where the rows fill tiles, so k falls with b, to 0 where
+        no k pays. None without adaptive_k."""
         if not self.adaptive_k:
             return None
-        a = np.arange(ADAPTIVE_LEVELS + 1, dtype=np.float64)[:, None] / ADAPTIVE_LEVELS
-        k = np.arange(1, self.num_speculative_tokens + 1, dtype=np.float64)[None, :]
-        tokens = np.where(a < 1, (1 - a ** (k + 1)) / np.maximum(1 - a, 1e-12), k + 1)
-        value = tokens / (1 + k * (self.cost(target) + VERIFY_COST))
-        return (1 + np.argmax(value, axis=1)).astype(np.int32)
+        a = np.arange(ADAPTIVE_LEVELS + 1, dtype=np.float64) / ADAPTIVE_LEVELS
+        k = np.arange(self.num_speculative_tokens + 1)
+        tokens = expected_tokens(a, self.num_speculative_tokens)
+        drafts = k * self.cost(target)
+        out = np.zeros((slots + 1, ADAPTIVE_LEVELS + 1), np.int32)
+        for b in range(1, slots + 1):
+            n = -(-b // dp)                       # the live rows of a data shard
+            cost = lambda rows: round_cost(rows, n, row_tile, small, tiled)  # noqa: E731
+            value = tokens / (np.array([cost(n * (j + 1)) for j in k]) / cost(n) + drafts)
+            out[b] = np.argmax(value, axis=1)     # ties: the fewer drafts
+        out[0] = out[1]
+        return out
 
 
-def adaptive_k(table, drafted, accepted, xp=np):
-    """Each row's k from its acceptance so far (``accepted`` of ``drafted`` draft tokens, with
-    ``ADAPTIVE_PRIOR``), read off ``SpeculativeConfig.k_table``'s ``table`` in integer steps, so
-    the engine's host and the device pick the same k."""
-    a0, d0 = ADAPTIVE_PRIOR
-    level = (ADAPTIVE_LEVELS * (xp.asarray(accepted) + a0)) // (xp.asarray(drafted) + d0)
-    return xp.asarray(table)[xp.clip(level, 0, ADAPTIVE_LEVELS)]
+def expected_tokens(a, k_max: int, xp=np):
+    """The tokens a round of k drafts emits on average, for k = 0..k_max (the last axis, after
+    ``a``'s): its accepted drafts and the target's token, each draft accepted with probability
+    ``a`` after the ones before it were (Leviathan et al.'s model)."""
+    terms = xp.asarray(a)[..., None] ** np.arange(1, k_max + 1, dtype=np.float32)
+    return 1 + xp.concatenate([xp.zeros_like(terms[..., :1]), xp.cumsum(terms, axis=-1)], axis=-1)
+
+
+def round_cost(rows, slots, row_tile: int, small: tuple[int, ...], tiled: bool, xp=np):
+    """A round's cost in row tiles, for a model of its time: ``rows`` rows (those of ``slots``
+    live slots; ints, or traced with ``xp`` jax.numpy) through the weights, and each slot's own
+    work (``SLOT_COST``). On the row-tile path rows up to ``row_tile`` run in the smallest
+    certified tile of ``small`` that holds them, a tile of t rows costing sqrt(t / row_tile) of
+    a full one, and more rows in full tiles; with a kernel (``tiled`` False) every row is one
+    launch, a row ``VERIFY_COST`` more. Fitted to the demo target on the CPU box
+    (BENCHMARKS.md): batch-1 rounds of 1, 4 and 8 rows in 2-, 4- and 8-row tiles take
+    1 : 1.23 : 1.55, batch-8 rounds of 8, 16 and 32 rows 1 : 1.30 : 1.81."""
+    if not tiled:
+        return slots * SLOT_COST + 1 + VERIFY_COST * (rows - 1)
+    fit = np.array([(min((t for t in small if t >= r), default=row_tile) / row_tile) ** 0.5
+                    for r in range(row_tile + 1)])
+    weights = xp.where(rows <= row_tile, xp.asarray(fit)[xp.minimum(rows, row_tile)],
+                       -(-rows // row_tile))
+    return slots * SLOT_COST + weights
+
+
+def acceptance_level(accepted, rejected, xp=np):
+    """A row's acceptance so far in integer steps of 1 / ADAPTIVE_LEVELS: a = accepted /
+    (accepted + rejected), over its ``accepted`` drafts and the ``rejected`` rounds that
+    rejected one (with ``ADAPTIVE_PRIOR``), the estimate of a draft's chance to be accepted
+    after the drafts before it were, which ``SpeculativeConfig.k_table``'s model assumes.
+    (Accepted over drafted would count the drafts after a rejected one as rejected: low at a
+    large k, high at a small one.)"""
+    a0, r0 = ADAPTIVE_PRIOR
+    accepted = xp.asarray(accepted) + a0
+    return xp.clip((ADAPTIVE_LEVELS * accepted) // (accepted + xp.asarray(rejected) + r0),
+                   0, ADAPTIVE_LEVELS)
+
+
+def adaptive_k(table, accepted, rejected, live, generated, xp=np):
+    """Each row's k in a round of ``live`` live rows, read off ``SpeculativeConfig.k_table``'s
+    ``table`` at its ``acceptance_level``, in integer steps, so the engine's host and the
+    device pick the same k; a row the table gives 0 drafts 1 when its ``generated`` output
+    tokens are a multiple of ``ADAPTIVE_PROBE``."""
+    table = xp.asarray(table)
+    k = table[xp.clip(live, 0, table.shape[0] - 1), acceptance_level(accepted, rejected, xp)]
+    return xp.where((k == 0) & (xp.asarray(generated) % ADAPTIVE_PROBE == 0), 1, k)
+
+
+def drafts_pay(k, level, live, k_max: int, draft_cost: float, row_tile: int,
+               small: tuple[int, ...], tiled: bool, dp: int = 1):
+    """Whether a round's drafts pay, on the device (traced): its ``live`` rows' (bool [B])
+    expected tokens, each at its final k (``k`` int32 [B]) and ``acceptance_level``, per the
+    round's cost with the drafts (``round_cost`` of a data shard's rows, over its cost at one
+    row each, and ``draft_cost`` a draft) above one token a row at the cost without. The table
+    counts a verify row at a share of the tiles; this catches drafts that alone open a tile (a
+    few rows drafting one each over a full tile of rows)."""
+    import jax.numpy as jnp
+
+    by_k = expected_tokens(level.astype(jnp.float32) / ADAPTIVE_LEVELS, k_max, jnp)
+    tokens = jnp.take_along_axis(by_k, k[:, None], axis=1)[:, 0]
+    n, drafts = jnp.sum(live.astype(jnp.int32)), jnp.sum(jnp.where(live, k, 0))
+    shard = lambda rows: -(-rows // dp)                                       # noqa: E731
+    cost = lambda rows: round_cost(shard(rows), shard(n), row_tile, small, tiled, jnp)  # noqa: E731
+    ratio = cost(n + drafts) / cost(n) + draft_cost * drafts / jnp.maximum(n, 1)
+    return jnp.sum(jnp.where(live, tokens, 0.0)) > ratio * n
 
 
 def drafts_for(k_max, budget, length, limit, xp=np):

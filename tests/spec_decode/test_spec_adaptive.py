@@ -8,7 +8,8 @@ import pytest
 
 from sfjax import LLM
 from sfjax.benchmark import compiles
-from sfjax.spec.config import ADAPTIVE_MAX, SpeculativeConfig, adaptive_k
+from sfjax.spec.config import (ADAPTIVE_LEVELS, ADAPTIVE_MAX, ADAPTIVE_PROBE, SpeculativeConfig,
+                               adaptive_k, drafts_pay)
 from spec_util import (BATCH8_SEED, GEOMETRY, assert_same_outputs, delta, greedy, prompts,
                        repeated_prompts, run, sampled, spec_counters)
 
@@ -17,22 +18,54 @@ def _per_round(d):
     return d["num_draft_tokens"] / max(d["num_drafts"], 1)
 
 
-def test_the_k_table_weighs_acceptance_against_cost():
+def test_the_k_table_weighs_acceptance_against_the_rounds_cost():
     cheap = SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True)
     dear = SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True, draft_cost=1.0)
     from sfjax import toy
-    t = cheap.k_table(toy.tiny_config())
-    assert t[0] == 1 and t[-1] == ADAPTIVE_MAX
-    assert (np.diff(t) >= 0).all()                                   # more acceptance, more k
-    assert (dear.k_table(toy.tiny_config()) == 1).all()              # a draft as dear as a step
+    cfg = toy.tiny_config()
+    t = cheap.k_table(cfg, 8, row_tile=8, small=(2, 4))
+    assert t.shape == (9, ADAPTIVE_LEVELS + 1)
+    assert t[1, 0] == 0 and t[1, -1] == ADAPTIVE_MAX
+    assert (np.diff(t, axis=1) >= 0).all()                          # more acceptance, more k
+    # batch 1 in certified tiles: 2 rows cost 1 row's tile, 3-4 a 4-row tile, 5-8 a full one
+    assert set(t[1]) == {0, 1, 3, ADAPTIVE_MAX}
+    # at 8 live rows a verify row costs a share of a full tile: none drafts at low acceptance
+    low = ADAPTIVE_LEVELS // 8
+    assert t[1, low] == 1 and t[8, low] == 0 and (t[8] <= t[1]).all()
+    # without small tiles any 8 rows cost one tile: one request drafts 7 as soon as any pays
+    assert set(cheap.k_table(cfg, 1, row_tile=8)[1]) == {0, ADAPTIVE_MAX}
+    assert (dear.k_table(cfg, 8, row_tile=8, small=(2, 4)) == 0).all()    # a draft as dear as a step
     assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": "auto"}) \
         == SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True)
-    assert SpeculativeConfig("ngram", 8).k_table(toy.tiny_config()) is None
-    # integer steps: numpy on the host and jax.numpy on the device read the same entry
-    drafted, accepted = np.array([0, 7, 100, 1000]), np.array([0, 3, 99, 10])
-    assert (adaptive_k(t, drafted, accepted) == np.asarray(adaptive_k(t, drafted, accepted, jax.numpy))).all()
+    assert SpeculativeConfig("ngram", 8).k_table(cfg, 8) is None
+    # integer steps: numpy on the host and jax.numpy on the device read the same entry; a row
+    # the table gives 0 drafts 1 at every ADAPTIVE_PROBE-th output token
+    accepted, rejected = np.array([0, 3, 99, 10, 10, 10]), np.array([0, 3, 1, 900, 900, 900])
+    live, generated = np.array([1, 8, 8, 8, 8, 3]), np.array([5, 5, 5, 5, ADAPTIVE_PROBE, 9])
+    host = adaptive_k(t, accepted, rejected, live, generated)
+    assert (host == np.asarray(adaptive_k(t, accepted, rejected, live, generated, jax.numpy))).all()
+    assert host[2] == ADAPTIVE_MAX and list(host[3:]) == [0, 1, 0]
     with pytest.raises(ValueError, match="draft_cost"):
         SpeculativeConfig("ngram", 8, adaptive_k=True, draft_cost=-1.0)
+
+
+def test_a_rounds_drafts_are_dropped_where_they_do_not_pay():
+    """``drafts_pay``: a round's drafts against its cost, on the device's ints."""
+    jnp = jax.numpy
+    tiles = dict(row_tile=8, small=(2, 4), tiled=True)
+    level = lambda a, n: jnp.full(n, int(a * ADAPTIVE_LEVELS), jnp.int32)   # noqa: E731
+    live = lambda n: jnp.ones(n, bool)                                      # noqa: E731
+    pay = lambda k, a, **kw: bool(drafts_pay(jnp.asarray(k, jnp.int32), level(a, len(k)),  # noqa: E731
+                                             live(len(k)), ADAPTIVE_MAX, 0.0, **{**tiles, **kw}))
+    assert pay([1], 0.1)                          # batch 1: a 2-row tile costs what 1 row's does
+    assert not pay([0] * 7 + [1], 0.3)            # one row's draft opens a second 8-row tile
+    assert pay([0] * 6 + [1], 0.3)                # ... or fits the first one's spare row
+    assert pay([3] * 8, 0.9) and not pay([3] * 8, 0.3)
+    assert pay([1], 0.3, small=(), tiled=False)   # one kernel launch: a row costs 0.02 more
+    assert not pay([0] * 8, 0.9)                  # no drafts: nothing to pay for
+    # rows that are not live do not count: one live row of eight entries
+    assert bool(drafts_pay(jnp.asarray([1] + [0] * 7, jnp.int32), level(0.1, 8),
+                           jnp.asarray([True] + [False] * 7), ADAPTIVE_MAX, 0.0, **tiles))
 
 
 @pytest.mark.parametrize("draft", ["same", "other"])
@@ -43,17 +76,19 @@ def test_k_follows_each_requests_acceptance_and_tokens_equal_plain(spec_llm, pla
     for params in (greedy(), sampled(8, seed=BATCH8_SEED)):
         assert_same_outputs(run(llm, ps, params), run(plain_llm, ps, params))
     d = delta(before, spec_counters(llm))
-    if draft == "same":                    # everything accepted: k climbs, round by round
-        assert d["num_accepted_tokens"] == d["num_draft_tokens"] and _per_round(d) > 3
-        assert len(d["accepted_per_pos"]) >= 6
-    else:                                  # almost nothing accepted: one draft a round
+    if draft == "same":       # everything accepted: k climbs, round by round, as far as 8
+        # live rows' verify rows pay (``SpeculativeConfig.k_table``)
+        assert d["num_accepted_tokens"] == d["num_draft_tokens"] and _per_round(d) > 1.5
+        assert len(d["accepted_per_pos"]) >= 3
+    else:                     # almost nothing accepted: one draft a round, or none
         assert _per_round(d) < 1.2
 
 
 def test_ngram_and_eagle3_with_adaptive_k_equal_plain(spec_llm, plain_llm, eagle_head):
     ps = repeated_prompts(8, seed=3)
+    # drafts priced free, so that 8 rows of this head's low acceptance still draft
     for method, extra in (("ngram", {"prompt_lookup_max": 3}), ("eagle3", {"model": eagle_head})):
-        llm = spec_llm(None, "auto", method, **extra)
+        llm = spec_llm(None, "auto", method, draft_cost=0.0, **extra)
         before = spec_counters(llm)
         for params in (greedy(), sampled(8, seed=3)):
             assert_same_outputs(run(llm, ps, params), run(plain_llm, ps, params))
