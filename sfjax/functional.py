@@ -470,7 +470,8 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0):
         return k
     # adaptive_k: none of them if the round's drafts do not pay (the host's k is a bound)
     pay = drafts_pay(k, acceptance_level(p.accepted[order], p.rejected[order], jnp), live,
-                     spec.num_speculative_tokens, spec.cost(cfg.model), cfg.row_tile, cfg.small_tiles, cfg.matmul is None,
+                     spec.num_speculative_tokens, spec.cost(cfg.model), cfg.row_tile,
+                     cfg.small_tiles, cfg.matmul is None,
                      sharding.dp_of(cfg.mesh))
     return jnp.where(pay, k, 0)
 

@@ -34,7 +34,8 @@ def test_the_k_table_weighs_acceptance_against_the_rounds_cost():
     assert t[1, low] == 1 and t[8, low] == 0 and (t[8] <= t[1]).all()
     # without small tiles any 8 rows cost one tile: one request drafts 7 as soon as any pays
     assert set(cheap.k_table(cfg, 1, row_tile=8)[1]) == {0, ADAPTIVE_MAX}
-    assert (dear.k_table(cfg, 8, row_tile=8, small=(2, 4)) == 0).all()    # a draft as dear as a step
+    # a draft as dear as a step never pays
+    assert (dear.k_table(cfg, 8, row_tile=8, small=(2, 4)) == 0).all()
     assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": "auto"}) \
         == SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True)
     assert SpeculativeConfig("ngram", 8).k_table(cfg, 8) is None
@@ -55,8 +56,9 @@ def test_a_rounds_drafts_are_dropped_where_they_do_not_pay():
     tiles = dict(row_tile=8, small=(2, 4), tiled=True)
     level = lambda a, n: jnp.full(n, int(a * ADAPTIVE_LEVELS), jnp.int32)   # noqa: E731
     live = lambda n: jnp.ones(n, bool)                                      # noqa: E731
-    pay = lambda k, a, **kw: bool(drafts_pay(jnp.asarray(k, jnp.int32), level(a, len(k)),  # noqa: E731
-                                             live(len(k)), ADAPTIVE_MAX, 0.0, **{**tiles, **kw}))
+    def pay(k, a, **kw):
+        return bool(drafts_pay(jnp.asarray(k, jnp.int32), level(a, len(k)), live(len(k)),
+                               ADAPTIVE_MAX, 0.0, **{**tiles, **kw}))
     assert pay([1], 0.1)                          # batch 1: a 2-row tile costs what 1 row's does
     assert not pay([0] * 7 + [1], 0.3)            # one row's draft opens a second 8-row tile
     assert pay([0] * 6 + [1], 0.3)                # ... or fits the first one's spare row
