@@ -126,12 +126,14 @@ RUNS = [
     # a draft model: exact, 8 rounds a call (rejection sampling: dp2_tp2_draft_rejection)
     _run("draft_exact_steps8", "llm", dict(SPEC, speculative_config=_DRAFT), _prompts(5, 4), NO_PENALTIES),
     # an EAGLE-3 head: exact, 8 rounds a call; rejection sampling with adaptive k, one round a
-    # call (its drafts' bits decide its tokens)
+    # call (its drafts' bits decide its tokens; drafts priced free, so that this head, which
+    # accepts little, still drafts)
     _run("eagle_exact_steps8", "llm", dict(SPEC, speculative_config=_EAGLE), _prompts(13, 5),
          PENALTIES),
     _run("eagle_rejection_auto_steps1", "llm", dict(
         SPEC, num_scheduler_steps=1, speculative_config=dict(
-            _EAGLE, num_speculative_tokens="auto", acceptance_method="rejection_sampler")),
+            _EAGLE, num_speculative_tokens="auto", acceptance_method="rejection_sampler",
+            draft_cost=0.0)),
          _prompts(14, 5), PENALTIES),
     # sfjax.functional: generate (plain); prefill + decode rounds (ngram, typical acceptance: the
     # engine's rounds run these same functional rounds)
