@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 
+from sfjax import checks as C
 from sfjax.config import read_json
 from sfjax.tokenizer import encode
 
@@ -99,11 +100,7 @@ def _message(m, i: int) -> dict:
         content = ""
     if not isinstance(content, str):
         raise ValueError(f"messages[{i}].content must be a string or text parts")
-    try:
-        content.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"messages[{i}].content is not valid text: must be valid UTF-8 "
-                         f"({e.reason} at position {e.start})") from None
+    C.text(f"messages[{i}].content", content)
     out = {"role": role, "content": content}
     for k in PASSED:
         if m.get(k) is not None:

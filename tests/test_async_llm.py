@@ -579,7 +579,7 @@ def test_a_chat_template_in_chat_template_jinja_serves_chat(tiny_folder, tmp_pat
         llm.chat([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match=r"messages\[0\].content: only text parts \(each a str\)"):
         llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}])     # a TypeError
-    with pytest.raises(ValueError, match=r"messages\[0\].content is not valid text"):
+    with pytest.raises(ValueError, match=r"messages\[0\].content = .* is not valid text"):
         llm.chat([{"role": "user", "content": "\ud800"}])
 
 

@@ -407,9 +407,7 @@ async def _merged(streams: list) -> AsyncIterator:
             else:
                 yield item
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel(tasks)
 
 
 async def _lasts(started) -> list:
@@ -418,9 +416,14 @@ async def _lasts(started) -> list:
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel(tasks)
+
+
+async def _cancel(tasks) -> None:
+    """Cancels ``tasks`` and waits until each has ended (its error, if any, dropped)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _certificate_header(out) -> dict:
