@@ -35,7 +35,7 @@ from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.sampling import Draws, Sampling
 from sfjax.spec import accept, eagle
-from sfjax.spec.config import acceptance_level, adaptive_k, drafts_for, drafts_pay
+from sfjax.spec.config import acceptance_level, adaptive_k, drafts_for, drafts_pay, fill_tile
 from sfjax.round import SpecBatch, round_step
 from sfjax.run import RunConfig
 from sfjax.spec.table import NgramTable
@@ -368,7 +368,8 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
         num_logit_rows = n_live
         draws = jax.tree.map(lambda x: x[:r], _draws(order, length, plen, 1, wide))
     else:       # each slot's k + 1 rows packed, by its own k: the padding all at the end
-        k = _spec_k(st, cfg, order, live, length, plen, 0 if host is None else host.running)
+        k = _spec_k(st, cfg, order, live, length, plen, 0 if host is None else host.running,
+                    0 if host is None else jnp.sum(host.rows))
         first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile, counts=k + 1,
                                       rows=n_rows, after=after)
         logit_first, logit_rows, num_logit_rows, draws = _packed_logit_rows(
@@ -449,11 +450,12 @@ def _finish(st: State, drawn, v, cfg: Config, laid, with_logprobs: bool):
     return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted), report
 
 
-def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0):
+def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=0):
     """Each entry's drafts this round (``drafts_for``; adaptive_k reads its acceptance so far),
     0 for the entries that are not live, whose request does not draft, or whose pages do not
     hold its k drafts (the engine's host grows them first, when it can); the speculation
-    threshold counts the live entries and ``running`` more."""
+    threshold counts the live entries and ``running`` more. ``taken``: the round's rows before
+    the entries' (the host's)."""
     spec = cfg.speculative_config
     p = st.progress
     _, _, budget = accept.left(st.table, order, length, plen, cfg.max_model_len)
@@ -465,15 +467,22 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0):
     k = drafts_for(k_max, budget, length, spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
     room = jnp.sum(st.block_tables[order] != 0, axis=1) * cfg.block_size - length
     on = spec.speculates_at(jnp.sum(live.astype(jnp.int32)) + running)
-    k = jnp.where(live & p.drafts[order] & on & (k <= room), k, 0)
+    drafting = live & p.drafts[order] & on
+    k = jnp.where(drafting & (k <= room), k, 0)
     if table is None:
         return k
     # adaptive_k: none of them if the round's drafts do not pay (the host's k is a bound)
-    pay = drafts_pay(k, acceptance_level(p.accepted[order], p.rejected[order], jnp), live,
-                     spec.num_speculative_tokens, spec.cost(cfg.model), cfg.row_tile,
-                     cfg.small_tiles, cfg.matmul is None,
-                     sharding.dp_of(cfg.mesh))
-    return jnp.where(pay, k, 0)
+    level = acceptance_level(p.accepted[order], p.rejected[order], jnp)
+    pay = drafts_pay(k, level, live, spec.num_speculative_tokens, spec.cost(cfg.model),
+                     cfg.row_tile, cfg.small_tiles, cfg.matmul is None, sharding.dp_of(cfg.mesh))
+    k = jnp.where(pay, k, 0)
+    if spec.cost(cfg.model) > 0 or cfg.matmul is not None or sharding.dp_of(cfg.mesh) > 1:
+        return k
+    # free drafts (no draft step): the last tile's empty rows verify more of them
+    cap = drafts_for(spec.num_speculative_tokens, budget, length,
+                     spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
+    cap = jnp.where(drafting, jnp.minimum(cap, jnp.maximum(room, 0)), 0)
+    return fill_tile(k, cap, level, live, taken, cfg.row_tile, cfg.small_tiles)
 
 
 def _packed_logit_rows(order, live, length, plen, first, k, r: int):

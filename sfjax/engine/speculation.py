@@ -126,7 +126,9 @@ class Speculator:
         if req.strategy_slot != self.slot:
             return 0
         k = self.k_max
-        if self.k_table is not None:                     # adaptive_k: from its acceptance
+        free = self.config.method == "ngram" and not self.config.draft_cost
+        if self.k_table is not None and not free:        # adaptive_k: from its acceptance
+            # (free drafts: up to k_max, as the device may fill its last tile with them)
             m = req.spec_metrics
             k = int(adaptive_k(self.k_table, m.num_accepted_tokens if m else 0,
                                m.num_rejections if m else 0, live, len(req.output_token_ids)))

@@ -269,6 +269,26 @@ def drafts_pay(k, level, live, k_max: int, draft_cost: float, row_tile: int,
     return jnp.sum(jnp.where(live, tokens, 0.0)) > ratio * n
 
 
+def fill_tile(k, cap, level, live, taken, row_tile: int, small: tuple[int, ...]):
+    """On the row-tile path, one data shard, drafts that cost no draft step (``ngram``): ``k``
+    (int32 [B], traced) with the rows the round's last tile leaves empty given to more drafts,
+    up to each row's ``cap``, the rows of highest acceptance ``level`` first. ``taken``: the
+    round's rows before the live rows' (the host's prefill chunks). The tiles the round runs
+    are the same; its rows verify more drafts in them."""
+    import jax.numpy as jnp
+
+    rows = taken + jnp.sum(live.astype(jnp.int32)) + jnp.sum(k)
+    fit = np.array([min((t for t in small if t >= r), default=row_tile)
+                    for r in range(row_tile + 1)])
+    held = jnp.where(rows <= row_tile, jnp.asarray(fit)[jnp.minimum(rows, row_tile)],
+                     -(-rows // row_tile) * row_tile)
+    more = jnp.where(live, jnp.maximum(cap - k, 0), 0)
+    best = jnp.argsort(-level, stable=True)
+    ahead = jnp.cumsum(more[best]) - more[best]
+    give = jnp.clip(held - rows - ahead, 0, more[best])
+    return k + jnp.zeros_like(k).at[best].set(give)
+
+
 def drafts_for(k_max, budget, length, limit, xp=np):
     """Drafts for a row this round: k_max (an int, or per row), at most one less than the tokens
     it may still emit (``budget``), none once length + k passes the draft's ``limit``. On host ints (``xp`` numpy)

@@ -9,7 +9,7 @@ import pytest
 from sfjax import LLM
 from sfjax.benchmark import compiles
 from sfjax.spec.config import (ADAPTIVE_LEVELS, ADAPTIVE_MAX, ADAPTIVE_PROBE, SpeculativeConfig,
-                               adaptive_k, drafts_pay)
+                               adaptive_k, drafts_pay, fill_tile)
 from spec_util import (BATCH8_SEED, GEOMETRY, assert_same_outputs, delta, greedy, prompts,
                        repeated_prompts, run, sampled, spec_counters)
 
@@ -70,6 +70,23 @@ def test_a_rounds_drafts_are_dropped_where_they_do_not_pay():
                            jnp.asarray([True] + [False] * 7), ADAPTIVE_MAX, 0.0, **tiles))
 
 
+def test_free_drafts_fill_the_last_tile_best_rows_first():
+    """``fill_tile``: the rows a round's last tile leaves empty go to more drafts, up to each
+    row's cap, the rows of highest acceptance first; the tiles stay the same."""
+    jnp = jax.numpy
+    k, cap = jnp.array([1, 0, 0, 0], jnp.int32), jnp.array([7, 7, 2, 7], jnp.int32)
+    level = jnp.array([10, 50, 40, 5], jnp.int32)
+    live = jnp.array([True, True, True, False])
+
+    def fill(taken, small):
+        return [int(x) for x in fill_tile(k, cap, level, live, taken, 8, small)]
+    assert fill(0, ()) == [1, 4, 0, 0]            # 4 rows in an 8-row tile: 4 more drafts
+    assert fill(0, (2, 4)) == [1, 0, 0, 0]        # 4 rows fill a certified 4-row tile
+    assert fill(2, (2, 4)) == [1, 2, 0, 0]        # 2 host rows before them: 6 rows in 8
+    assert fill(1, (2, 4)) == [1, 3, 0, 0]        # 5 rows in 8: the best row takes all 3
+    assert fill(9, ()) == [1, 3, 0, 0]            # 13 rows in two tiles: 3 spare
+
+
 @pytest.mark.parametrize("draft", ["same", "other"])
 def test_k_follows_each_requests_acceptance_and_tokens_equal_plain(spec_llm, plain_llm, draft):
     llm = spec_llm(draft, "auto", draft_cost=0.1)
@@ -97,17 +114,20 @@ def test_ngram_and_eagle3_with_adaptive_k_equal_plain(spec_llm, plain_llm, eagle
         assert delta(before, spec_counters(llm))["num_drafts"] > 0
 
 
-def test_host_and_device_pick_the_same_k_and_nothing_recompiles(tiny_folder, drafts, monkeypatch):
-    """One step per call (the host picks k) and eight (the device does): the same drafts and
-    acceptances request by request. Then a workload whose acceptance, so its k, differs runs on
-    the programs already compiled (each bucket compiled at its first ask, ``COMPILE_AFTER`` 0:
-    this is about k)."""
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_host_and_device_pick_the_same_k_and_nothing_recompiles(tiny_folder, drafts, monkeypatch,
+                                                                method):
+    """One step per call (the host picks k, or for free n-gram drafts a bound on it) and eight
+    (the device does): the same drafts and acceptances request by request. Then a workload whose
+    acceptance, so its k, differs runs on the programs already compiled (each bucket compiled at
+    its first ask, ``COMPILE_AFTER`` 0: this is about k)."""
     import sfjax.engine.compile as buckets
 
     monkeypatch.setattr(buckets, "COMPILE_AFTER", 0)
-    spec = {"method": "draft_model", "model": drafts["near"], "num_speculative_tokens": "auto",
-            "draft_cost": 0.1}
-    ps = prompts(8, seed=BATCH8_SEED)
+    spec = ({"method": "draft_model", "model": drafts["near"], "draft_cost": 0.1}
+            if method == "draft_model" else {"method": "ngram", "prompt_lookup_max": 3})
+    spec["num_speculative_tokens"] = "auto"
+    ps = prompts(8, seed=BATCH8_SEED) if method == "draft_model" else repeated_prompts(8, seed=3)
     counters = {}
     for steps in (1, 8):
         # no prefix cache: the second workload's prompts would hit it, a path (write_history)
