@@ -476,7 +476,8 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=
     pay = drafts_pay(k, level, live, spec.num_speculative_tokens, spec.cost(cfg.model),
                      cfg.row_tile, cfg.small_tiles, cfg.matmul is None, sharding.dp_of(cfg.mesh))
     k = jnp.where(pay, k, 0)
-    if spec.cost(cfg.model) > 0 or cfg.matmul is not None or sharding.dp_of(cfg.mesh) > 1:
+    if (spec.method != "ngram" or spec.cost(cfg.model) > 0 or cfg.matmul is not None
+            or sharding.dp_of(cfg.mesh) > 1):
         return k
     # free drafts (no draft step): the last tile's empty rows verify more of them
     cap = drafts_for(spec.num_speculative_tokens, budget, length,
