@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -195,7 +196,7 @@ class SpeculativeConfig:
         for b in range(1, slots + 1):
             n = -(-b // dp)                       # the live rows of a data shard
             cost = lambda rows: round_cost(rows, n, row_tile, small, tiled)  # noqa: E731
-            value = tokens / (np.array([cost(n * (j + 1)) for j in k]) / cost(n) + drafts)
+            value = tokens / (cost(n * (k + 1)) / cost(n) + drafts)
             out[b] = np.argmax(value, axis=1)     # ties: the fewer drafts
         out[0] = out[1]
         return out
@@ -220,11 +221,17 @@ def round_cost(rows, slots, row_tile: int, small: tuple[int, ...], tiled: bool, 
     1 : 1.23 : 1.55, batch-8 rounds of 8, 16 and 32 rows 1 : 1.30 : 1.81."""
     if not tiled:
         return slots * SLOT_COST + 1 + VERIFY_COST * (rows - 1)
-    fit = np.array([(min((t for t in small if t >= r), default=row_tile) / row_tile) ** 0.5
-                    for r in range(row_tile + 1)])
+    fit = (np.array(tile_holding(row_tile, tuple(small))) / row_tile) ** 0.5
     weights = xp.where(rows <= row_tile, xp.asarray(fit)[xp.minimum(rows, row_tile)],
                        -(-rows // row_tile))
     return slots * SLOT_COST + weights
+
+
+@functools.lru_cache(maxsize=64)
+def tile_holding(row_tile: int, small: tuple[int, ...]) -> tuple[int, ...]:
+    """For r = 0..row_tile rows, the tile a call of r rows runs in: the smallest certified tile
+    of ``small`` that holds them, else ``row_tile``."""
+    return tuple(min((t for t in small if t >= r), default=row_tile) for r in range(row_tile + 1))
 
 
 def acceptance_level(accepted, rejected, xp=np):
@@ -278,9 +285,8 @@ def fill_tile(k, cap, level, live, taken, row_tile: int, small: tuple[int, ...])
     import jax.numpy as jnp
 
     rows = taken + jnp.sum(live.astype(jnp.int32)) + jnp.sum(k)
-    fit = np.array([min((t for t in small if t >= r), default=row_tile)
-                    for r in range(row_tile + 1)])
-    held = jnp.where(rows <= row_tile, jnp.asarray(fit)[jnp.minimum(rows, row_tile)],
+    fit = jnp.asarray(tile_holding(row_tile, tuple(small)))
+    held = jnp.where(rows <= row_tile, fit[jnp.minimum(rows, row_tile)],
                      -(-rows // row_tile) * row_tile)
     more = jnp.where(live, jnp.maximum(cap - k, 0), 0)
     best = jnp.argsort(-level, stable=True)
