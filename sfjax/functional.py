@@ -34,7 +34,7 @@ from sfjax import checks as C, model, rows, sampling_params, sharding
 from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.sampling import Draws, Sampling
-from sfjax.spec import accept, eagle
+from sfjax.spec import accept, eagle, proposers
 from sfjax.spec.config import acceptance_level, adaptive_k, drafts_for, drafts_pay, fill_tile
 from sfjax.round import SpecBatch, round_step
 from sfjax.run import RunConfig
@@ -333,12 +333,13 @@ def _round_reported(w, dw, st: State, cfg: Config, with_logprobs: bool):
     """``_round``, and with ``with_logprobs`` (static) the raw logprobs of the tokens each row may
     emit (``sampling.raw_logprobs``): (state, (logprob float32 [B, K1], rank, top ids and top
     logprobs [B, K1, 20]) by slot, entry j for the row's j-th token of the round, or None)."""
-    batch, sb, laid = _layout(st, cfg, with_logprobs)
+    batch, sb, laid = _layout(st, cfg, with_logprobs, dw=dw)
     return _finish(*_round_step(st, batch)(w, dw, st, batch, sb, run=cfg), cfg, laid,
                    with_logprobs)
 
 
-def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = None, host=None):
+def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = None, host=None,
+            dw=None):
     """A round's batch for every live row, laid out on the device as the step wants it: live rows
     first, one row each (plain) or each slot's k + 1 verify rows packed by its own k, the padding
     all at the end. ``shape``: the (rows, logit rows, draft rows) to lay them in (a bucket the
@@ -346,6 +347,7 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
 
     ``host``: rows the engine's host laid out for this round too (``Host``: prefill chunks), at
     the head of each data shard's segment and of the logit rows; the live rows follow them.
+    ``dw``: the draft weights (for ``ngram``, its table: the lookup runs before the layout).
     Returns (batch, spec batch or None, what ``_finish`` reads of the layout)."""
     p = st.progress
     s = p.length.shape[0]
@@ -368,8 +370,9 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
         num_logit_rows = n_live
         draws = jax.tree.map(lambda x: x[:r], _draws(order, length, plen, 1, wide))
     else:       # each slot's k + 1 rows packed, by its own k: the padding all at the end
-        k = _spec_k(st, cfg, order, live, length, plen, 0 if host is None else host.running,
-                    0 if host is None else jnp.sum(host.rows))
+        k, drafts = _spec_k(st, cfg, order, live, length, plen,
+                            0 if host is None else host.running,
+                            0 if host is None else jnp.sum(host.rows), dw)
         first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile, counts=k + 1,
                                       rows=n_rows, after=after)
         logit_first, logit_rows, num_logit_rows, draws = _packed_logit_rows(
@@ -388,7 +391,7 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
         slots=put(-1, slot, "slots"), logit_rows=logit_rows,
         num_logit_rows=num_logit_rows, with_logprobs=logprobs, draws=draws)
     sb = None if spec is None else _spec_batch(st, cfg, order, live, length, last, first, k,
-                                               jnp.where(live, logit_first, r), na, host)
+                                               jnp.where(live, logit_first, r), na, host, drafts)
     return batch, sb, (order, live, k, logit_first)
 
 
@@ -450,12 +453,15 @@ def _finish(st: State, drawn, v, cfg: Config, laid, with_logprobs: bool):
     return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted), report
 
 
-def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=0):
+def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=0, dw=None):
     """Each entry's drafts this round (``drafts_for``; adaptive_k reads its acceptance so far),
     0 for the entries that are not live, whose request does not draft, or whose pages do not
     hold its k drafts (the engine's host grows them first, when it can); the speculation
     threshold counts the live entries and ``running`` more. ``taken``: the round's rows before
-    the entries' (the host's)."""
+    the entries' (the host's). For ``ngram``, the lookup (over ``st.history``, which holds each
+    live entry's tokens through its newest; ``dw``: the table) runs here, before the layout, and
+    an entry's k counts only the drafts it found: no verify row is laid out for a draft that does
+    not exist. Returns (k, those drafts int32 [B, k_max], or None for the other proposers)."""
     spec = cfg.speculative_config
     p = st.progress
     _, _, budget = accept.left(st.table, order, length, plen, cfg.max_model_len)
@@ -465,12 +471,17 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=
         k_max = adaptive_k(table, p.accepted[order], p.rejected[order],
                            jnp.sum(live.astype(jnp.int32)), length - plen, jnp)
     k = drafts_for(k_max, budget, length, spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
+    drafts, found = None, spec.num_speculative_tokens
+    if spec.method == "ngram":
+        drafts, found = proposers.ngram(st.history, order, length, spec.num_speculative_tokens,
+                                        spec.prompt_lookup_min, spec.prompt_lookup_max, table=dw)
+        k = jnp.minimum(k, found)
     room = jnp.sum(st.block_tables[order] != 0, axis=1) * cfg.block_size - length
     on = spec.speculates_at(jnp.sum(live.astype(jnp.int32)) + running)
     drafting = live & p.drafts[order] & on
     k = jnp.where(drafting & (k <= room), k, 0)
     if table is None:
-        return k
+        return k, drafts
     # adaptive_k: none of them if the round's drafts do not pay (the host's k is a bound)
     level = acceptance_level(p.accepted[order], p.rejected[order], jnp)
     pay = drafts_pay(k, level, live, spec.num_speculative_tokens, spec.cost(cfg.model),
@@ -478,12 +489,12 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=
     k = jnp.where(pay, k, 0)
     if (spec.method != "ngram" or spec.cost(cfg.model) > 0 or cfg.matmul is not None
             or sharding.dp_of(cfg.mesh) > 1):
-        return k
+        return k, drafts
     # free drafts (no draft step): the last tile's empty rows verify more of them
     cap = drafts_for(spec.num_speculative_tokens, budget, length,
                      spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
-    cap = jnp.where(drafting, jnp.minimum(cap, jnp.maximum(room, 0)), 0)
-    return fill_tile(k, cap, level, live, taken, cfg.row_tile, cfg.small_tiles)
+    cap = jnp.where(drafting, jnp.minimum(jnp.minimum(cap, found), jnp.maximum(room, 0)), 0)
+    return fill_tile(k, cap, level, live, taken, cfg.row_tile, cfg.small_tiles), drafts
 
 
 def _packed_logit_rows(order, live, length, plen, first, k, r: int):
@@ -504,7 +515,7 @@ def _packed_logit_rows(order, live, length, plen, first, k, r: int):
 
 
 def _spec_batch(st: State, cfg: Config, order, live, length, last, first, k, logit_first,
-                na: int | None = None, host=None) -> SpecBatch:
+                na: int | None = None, host=None, drafts=None) -> SpecBatch:
     """The speculating rows of a round (``order``: live rows first, each with its verify rows
     from ``first`` and its logit rows from ``logit_first``, by its ``k``) and the draft model's
     rows at L-2, L-1 (in ``na`` rows if given), after the ``host``'s draft rows (``Host``)."""
@@ -524,7 +535,7 @@ def _spec_batch(st: State, cfg: Config, order, live, length, last, first, k, log
                      draft_tokens=put(0, 0, prev, last),
                      draft_positions=put(-1, 1, on(length - 2), on(length - 1)),
                      draft_slots=put(-1, 2, slot, slot),
-                     draft_last=jnp.minimum(two + 1, na - 1))
+                     draft_last=jnp.minimum(two + 1, na - 1), drafts=drafts)
 
 
 def decode(weights: W.Weights, state: State, cfg: Config, num_rounds,
@@ -582,7 +593,7 @@ def run_rounds(w, dw, state: State, cfg: Config, num_rounds, max_rounds: int, un
 
     def round_i(i, st):
         mine = None if host is None else host.only_first(i == 0)
-        batch, sb, laid = _layout(st, cfg, with_logprobs, laid_in, mine)
+        batch, sb, laid = _layout(st, cfg, with_logprobs, laid_in, mine, dw)
         new, drawn, v = step(w, dw, st, batch, sb, run=cfg)
         return _finish(new, drawn, v, cfg, laid, with_logprobs), (drawn, v)
 

@@ -5,7 +5,8 @@ the same ragged batch.
 Rows of the step: prefill chunks (and rows that don't speculate) as in a plain step, plus for each
 speculating slot its k + 1 verify rows ``[last token, d_1 .. d_k]`` at positions ``L-1 .. L-1+k``,
 which ``sfjax.functional._layout`` lays out on the device (after the engine's host's prefill
-rows); the round fills in the drafts and turns the rows past the proposer's k into padding.
+rows); the round fills in the drafts and turns the rows past the proposer's k into padding
+(an n-gram lookup runs before the layout, so there its k already counts only the drafts found).
 Rollback is a length: the caller moves its length by what was emitted, and K/V written past it is
 dead (never attended, overwritten later).
 
@@ -43,6 +44,8 @@ class SpecBatch:
     draft_slots: jax.Array
     draft_last: jax.Array     # int32 [S] row of NA holding position L-1
     verify_logit: jax.Array   # int32 [S] the slot's first verify logit row; its k + 1 follow
+    drafts: jax.Array | None = None   # int32 [S, K] the drafts where they were proposed before
+                                      # the layout (ngram: ``k`` counts only drafts that exist)
 
 
 @jax.tree_util.register_static

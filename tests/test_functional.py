@@ -376,3 +376,37 @@ def test_a_rounds_verify_rows_are_packed_by_each_slots_k():
     assert draws.prompt_len.tolist() == [4, 4, 4, 4, 5, 6, 6] + [0] * 17
     # without counts, K + 1 rows an entry, live or not (the single step's layout)
     assert sharding.slot_rows(slot, live, 4, None, 5, 8)[0].tolist() == [0, 5, 10, 15]
+
+
+def test_ngram_lays_out_verify_rows_only_for_the_drafts_it_found(pair):
+    """The n-gram lookup runs before the round's layout (``functional._spec_k``): a row's k is
+    capped by the drafts its lookup found, so a draft that does not exist takes no verify row
+    (it used to be a hole among the round's rows, which the tile loops still ran over), and the
+    round's proposer reads those same drafts."""
+    from sfjax.spec import proposers
+
+    cfg = F.Config(pair["cfg"], MAX_LEN, speculative_config=_spec("ngram", pair))
+    rng = np.random.default_rng(5)
+    seg = rng.integers(2, 500, 4).tolist()
+    found = seg * 3 + seg[:2]                       # its last tokens recur: drafts follow them
+    unique = rng.permutation(np.arange(2, 500))[:14].tolist()   # nothing recurs: no drafts
+    ids, lens = F.pad_prompts([found, unique, found[:9]])
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 3
+    st = F.prefill(pair["weights"], ids, lens,
+                   F.Sampling.from_params(params, eos_token_ids=(), vocab_size=512), cfg)
+    p = st.progress      # row 0's tokens so far (its drawn one too): the segment over and over
+    n = int(p.length[0])
+    st = dataclasses.replace(st, history=st.history.at[0, :n].set(jnp.asarray((seg * 9)[:n])),
+                             progress=dataclasses.replace(p, last=p.last.at[0].set(seg[(n - 1) % 4])))
+    batch, sb, (order, live, k, _) = F._layout(st, cfg, False)
+    p = st.progress
+    drafts, available = proposers.ngram(st.history, order, p.length[order], 3, 1, 4)
+    assert bool(live.all()) and available[1] == 0 < available[0]
+    np.testing.assert_array_equal(k, np.minimum(3, available))
+    np.testing.assert_array_equal(sb.k, k)
+    np.testing.assert_array_equal(sb.drafts, drafts)
+    # each live row's last token, then a verify row per found draft: packed, nothing between
+    count = np.asarray(k) + 1
+    np.testing.assert_array_equal(sb.verify_row, np.cumsum(count) - count)
+    real = np.flatnonzero(np.asarray(batch.positions) >= 0)
+    np.testing.assert_array_equal(real, sb.verify_row)

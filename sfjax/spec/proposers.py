@@ -86,8 +86,11 @@ class Ngram:
 
     def propose(self, ctx, draft_weights, draft_cache):
         spec = ctx.spec
-        drafts, available = ngram(ctx.history, spec.slots, spec.length, self.k_max, self.n_min,
-                                  self.n_max, table=draft_weights)
+        if spec.drafts is not None:        # looked up before the layout (``functional._spec_k``)
+            drafts, available = spec.drafts, spec.k
+        else:
+            drafts, available = ngram(ctx.history, spec.slots, spec.length, self.k_max, self.n_min,
+                                      self.n_max, table=draft_weights)
         logq = None
         if ctx.compares_distributions:        # a proposal is a point mass
             logq = jnp.where(jax.nn.one_hot(drafts, ctx.run.model.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
