@@ -5,18 +5,19 @@
         [--temperatures 0,0.8] [--repeats 3] [--no-hf] [--cpu-threads 1] [--only NAMES]
         [--ngram-k 1,2,4,8]
 
-One engine per method (plain; ngram k = 3 with the distilled table, fixed and adaptive; the
-draft model, k = 4; the EAGLE-3 head at fixed k = 2 and 3 and adaptive k), built once and run on the same prompts in
-turns, ``--repeats`` times over; each keeps its fastest pass (``sfjax.benchmark.run_engine``:
-the 8 prompts, 128 tokens each, EOS ignored, at most --batch-size at once). At T > 0 every
-request has its own seed (``--seed`` + i). ``--mixed`` adds as many prompts of random token ids,
-where little is accepted (adaptive k's case). ``--ngram-k`` adds the n-gram + table engine at
-those k (``auto`` too), to see what a round costs by its verify rows. Reported per method: output
-tok/s, the ratio to sfjax plain of the same batch size and temperature, the same ratio for
-decoding alone (``decode``: the requests' mean time per output token after their first, whose
-time is the prefill's), the device rounds and the pass's wall time per round, acceptance rate
-and mean acceptance length, and whether the tokens equal plain decoding's (``exact`` promises
-it). With HF (batch 1 only): HF
+One engine per method (plain; ngram k = 3 with the distilled table, fixed and adaptive; the draft
+model, k = 4; the EAGLE-3 head at fixed k = 2 and 3 and adaptive k), built once and run on the
+same prompts in turns, ``--repeats`` times over (each repeat starting one method later, so no
+method always runs right after the same other); each keeps its fastest pass
+(``sfjax.benchmark.run_engine``: the 8 prompts, 128 tokens each, EOS ignored, at most --batch-size
+at once). At T > 0 every request has its own seed (``--seed`` + i). ``--mixed`` adds as many
+prompts of random token ids, where little is accepted (adaptive k's case). ``--ngram-k`` adds the
+n-gram + table engine at those k (``auto`` too), to see what a round costs by its verify rows.
+Reported per method: output tok/s, the ratio to sfjax plain of the same batch size and
+temperature, the same ratio for decoding alone (``decode``: the requests' mean time per output
+token after their first, whose time is the prefill's), the device rounds and the pass's wall time
+per round, acceptance rate and mean acceptance length, and whether the tokens equal plain
+decoding's (``exact`` promises it). With HF (batch 1 only): HF
 ``generate`` plain, with the draft as assistant model (k = 4) and with prompt lookup (k = 3), as
 ``sfjax bench --compare-hf`` runs them, in the same turns.
 """
@@ -114,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     fn()
             best = {}
-            for _ in range(args.repeats):
-                for name, fn in passes.items():
-                    r = fn()
+            names = list(passes)
+            for i in range(args.repeats):       # each repeat in another order: no pass always
+                for name in names[i % len(names):] + names[:i % len(names)]:    # follows one
+                    r = passes[name]()
                     if name not in best or r["duration"] < best[name]["duration"]:
                         best[name] = r
             plain = best["plain"]

@@ -35,7 +35,8 @@ from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.sampling import Draws, Sampling
 from sfjax.spec import accept, eagle, proposers
-from sfjax.spec.config import acceptance_level, adaptive_k, drafts_for, drafts_pay, fill_tile
+from sfjax.spec.config import (acceptance_level, adaptive_k, draft_cap, drafts_for, drafts_pay,
+                               fill_tile)
 from sfjax.round import SpecBatch, round_step
 from sfjax.run import RunConfig
 from sfjax.spec.table import NgramTable
@@ -465,35 +466,32 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=
     spec = cfg.speculative_config
     p = st.progress
     _, _, budget = accept.left(st.table, order, length, plen, cfg.max_model_len)
-    k_max = spec.num_speculative_tokens
-    table = cfg.k_table(order.shape[0])
-    if table is not None:            # adaptive_k: each row's k from its own acceptance so far
-        k_max = adaptive_k(table, p.accepted[order], p.rejected[order],
-                           jnp.sum(live.astype(jnp.int32)), length - plen, jnp)
-    k = drafts_for(k_max, budget, length, spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
-    drafts, found = None, spec.num_speculative_tokens
+    k_max, limit = spec.num_speculative_tokens, spec.draft_limit(cfg.max_model_len, cfg.draft)
+    drafts, found = None, k_max
     if spec.method == "ngram":
-        drafts, found = proposers.ngram(st.history, order, length, spec.num_speculative_tokens,
-                                        spec.prompt_lookup_min, spec.prompt_lookup_max, table=dw)
-        k = jnp.minimum(k, found)
+        drafts, found = proposers.ngram(st.history, order, length, k_max, spec.prompt_lookup_min,
+                                        spec.prompt_lookup_max, table=dw)
     room = jnp.sum(st.block_tables[order] != 0, axis=1) * cfg.block_size - length
-    on = spec.speculates_at(jnp.sum(live.astype(jnp.int32)) + running)
-    drafting = live & p.drafts[order] & on
-    k = jnp.where(drafting & (k <= room), k, 0)
+    n_live = jnp.sum(live.astype(jnp.int32))
+    drafting = live & p.drafts[order] & spec.speculates_at(n_live + running)
+    table = cfg.k_table(order.shape[0])
     if table is None:
-        return k, drafts
-    # adaptive_k: none of them if the round's drafts do not pay (the host's k is a bound)
+        k = jnp.minimum(drafts_for(k_max, budget, length, limit, xp=jnp), found)
+        return jnp.where(drafting & (k <= room), k, 0), drafts
+    # adaptive_k: each row's k from its own acceptance so far, weighed up to what it may draft
+    cap = jnp.where(drafting, jnp.minimum(draft_cap(k_max, budget, length, limit, jnp), found), 0)
+    k = adaptive_k(table, p.accepted[order], p.rejected[order], n_live, length - plen, cap, jnp)
+    k = jnp.where(k <= room, k, 0)
+    # none of them if the round's drafts do not pay (the host's k is a bound)
     level = acceptance_level(p.accepted[order], p.rejected[order], jnp)
-    pay = drafts_pay(k, level, live, spec.num_speculative_tokens, spec.cost(cfg.model),
-                     cfg.row_tile, cfg.small_tiles, cfg.matmul is None, sharding.dp_of(cfg.mesh))
+    pay = drafts_pay(k, level, live, k_max, spec.cost(cfg.model), cfg.row_tile, cfg.small_tiles,
+                     cfg.matmul is None, sharding.dp_of(cfg.mesh))
     k = jnp.where(pay, k, 0)
     if (spec.method != "ngram" or spec.cost(cfg.model) > 0 or cfg.matmul is not None
             or sharding.dp_of(cfg.mesh) > 1):
         return k, drafts
     # free drafts (no draft step): the last tile's empty rows verify more of them
-    cap = drafts_for(spec.num_speculative_tokens, budget, length,
-                     spec.draft_limit(cfg.max_model_len, cfg.draft), xp=jnp)
-    cap = jnp.where(drafting, jnp.minimum(jnp.minimum(cap, found), jnp.maximum(room, 0)), 0)
+    cap = jnp.minimum(cap, jnp.maximum(room, 0))
     return fill_tile(k, cap, level, live, taken, cfg.row_tile, cfg.small_tiles), drafts
 
 

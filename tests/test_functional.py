@@ -396,8 +396,9 @@ def test_ngram_lays_out_verify_rows_only_for_the_drafts_it_found(pair):
                    F.Sampling.from_params(params, eos_token_ids=(), vocab_size=512), cfg)
     p = st.progress      # row 0's tokens so far (its drawn one too): the segment over and over
     n = int(p.length[0])
+    last = p.last.at[0].set(seg[(n - 1) % 4])
     st = dataclasses.replace(st, history=st.history.at[0, :n].set(jnp.asarray((seg * 9)[:n])),
-                             progress=dataclasses.replace(p, last=p.last.at[0].set(seg[(n - 1) % 4])))
+                             progress=dataclasses.replace(p, last=last))
     batch, sb, (order, live, k, _) = F._layout(st, cfg, False)
     p = st.progress
     drafts, available = proposers.ngram(st.history, order, p.length[order], 3, 1, 4)

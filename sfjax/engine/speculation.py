@@ -13,7 +13,7 @@ from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request
 from sfjax.spec import eagle, table
-from sfjax.spec.config import SpeculativeConfig, adaptive_k, drafts_for
+from sfjax.spec.config import SpeculativeConfig, adaptive_k, draft_cap, drafts_for
 from sfjax.spec.registry import Registry, Strategy
 
 
@@ -130,6 +130,7 @@ class Speculator:
         if self.k_table is not None and not free:        # adaptive_k: from its acceptance
             # (free drafts: up to k_max, as the device may fill its last tile with them)
             m = req.spec_metrics
-            k = int(adaptive_k(self.k_table, m.num_accepted_tokens if m else 0,
-                               m.num_rejections if m else 0, live, len(req.output_token_ids)))
+            return int(adaptive_k(self.k_table, m.num_accepted_tokens if m else 0,
+                                  m.num_rejections if m else 0, live, len(req.output_token_ids),
+                                  draft_cap(k, budget, req.num_tokens, self.max_model_len)))
         return int(drafts_for(k, budget, req.num_tokens, self.max_model_len))

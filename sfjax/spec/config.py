@@ -180,25 +180,31 @@ class SpeculativeConfig:
     def k_table(self, target: ModelConfig, slots: int = 1, *, row_tile: int = 8,
                 small: tuple[int, ...] = (), tiled: bool = True, dp: int = 1) -> np.ndarray | None:
         """With ``adaptive_k``, each row's k for a round of b live rows (of ``slots``) at each
-        acceptance estimate a = i / ADAPTIVE_LEVELS (int32 [slots + 1, ADAPTIVE_LEVELS + 1]): the
-        k in 0..num_speculative_tokens maximising its ``expected_tokens`` per cost: the round's
-        when every live row verifies k + 1 rows over its cost at one row each (``round_cost``,
-        by the rows of a data shard), plus k * ``cost``. A verify row costs little at batch 1 and
-        as much as a slot's whole share where the rows fill tiles, so k falls with b, to 0 where
-        no k pays. None without adaptive_k."""
+        acceptance estimate a = i / ADAPTIVE_LEVELS, when it may draft at most c (int16 [slots +
+        1, ADAPTIVE_LEVELS + 1, num_speculative_tokens + 1], read [b, i, c]): the k in 0..c
+        maximising its ``expected_tokens`` per cost: the round's when every live row verifies
+        k + 1 rows over its cost at one row each (``round_cost``, by the rows of a data shard),
+        plus k * ``cost``. A verify row costs little at batch 1 and as much as a slot's whole
+        share where the rows fill tiles, so k falls with b, to 0 where no k pays. The cap c (its
+        budget, the draft's context, the drafts an n-gram lookup found) is weighed, not clipped:
+        a row that may draft 4 where 7 would fill a tile drafts 3 if a smaller tile pays more.
+        None without adaptive_k."""
         if not self.adaptive_k:
             return None
         a = np.arange(ADAPTIVE_LEVELS + 1, dtype=np.float64) / ADAPTIVE_LEVELS
         k = np.arange(self.num_speculative_tokens + 1)
         tokens = expected_tokens(a, self.num_speculative_tokens)
         drafts = k * self.cost(target)
-        out = np.zeros((slots + 1, ADAPTIVE_LEVELS + 1), np.int32)
+        value = np.zeros((slots + 1, ADAPTIVE_LEVELS + 1, k.size))
         for b in range(1, slots + 1):
             n = -(-b // dp)                       # the live rows of a data shard
             cost = lambda rows: round_cost(rows, n, row_tile, small, tiled)  # noqa: E731
-            value = tokens / (cost(n * (k + 1)) / cost(n) + drafts)
-            out[b] = np.argmax(value, axis=1)     # ties: the fewer drafts
-        out[0] = out[1]
+            value[b] = tokens / (cost(n * (k + 1)) / cost(n) + drafts)
+        value[0] = value[1]
+        out = np.zeros(value.shape, np.int16)     # the best k of 0..c, c by c
+        for c in k[1:]:                           # ties: the fewer drafts
+            out[..., c] = np.where(value[..., c] > np.take_along_axis(
+                value, out[..., c - 1:c].astype(np.intp), axis=-1)[..., 0], c, out[..., c - 1])
         return out
 
 
@@ -247,14 +253,15 @@ def acceptance_level(accepted, rejected, xp=np):
                    0, ADAPTIVE_LEVELS)
 
 
-def adaptive_k(table, accepted, rejected, live, generated, xp=np):
-    """Each row's k in a round of ``live`` live rows, read off ``SpeculativeConfig.k_table``'s
-    ``table`` at its ``acceptance_level``, in integer steps, so the engine's host and the
-    device pick the same k; a row the table gives 0 drafts 1 when its ``generated`` output
-    tokens are a multiple of ``ADAPTIVE_PROBE``."""
-    table = xp.asarray(table)
-    k = table[xp.clip(live, 0, table.shape[0] - 1), acceptance_level(accepted, rejected, xp)]
-    return xp.where((k == 0) & (xp.asarray(generated) % ADAPTIVE_PROBE == 0), 1, k)
+def adaptive_k(table, accepted, rejected, live, generated, cap, xp=np):
+    """Each row's k in a round of ``live`` live rows, at most its ``cap`` (``draft_cap``), read
+    off ``SpeculativeConfig.k_table``'s ``table`` at its ``acceptance_level``, in integer steps,
+    so the engine's host and the device pick the same k; a row the table gives 0 drafts 1 when
+    its ``generated`` output tokens are a multiple of ``ADAPTIVE_PROBE`` (and it may draft)."""
+    table, cap = xp.asarray(table), xp.clip(xp.asarray(cap), 0, table.shape[2] - 1)
+    k = table[xp.clip(live, 0, table.shape[0] - 1), acceptance_level(accepted, rejected, xp),
+              cap].astype(np.int32)
+    return xp.where((k == 0) & (cap > 0) & (xp.asarray(generated) % ADAPTIVE_PROBE == 0), 1, k)
 
 
 def drafts_pay(k, level, live, k_max: int, draft_cost: float, row_tile: int,
@@ -293,6 +300,13 @@ def fill_tile(k, cap, level, live, taken, row_tile: int, small: tuple[int, ...])
     ahead = jnp.cumsum(more[best]) - more[best]
     give = jnp.clip(held - rows - ahead, 0, more[best])
     return k + jnp.zeros_like(k).at[best].set(give)
+
+
+def draft_cap(k_max: int, budget, length, limit, xp=np):
+    """The most drafts adaptive k may give a row this round: ``k_max``, at most one less than
+    the tokens it may still emit (``budget``), and length + k within the draft's ``limit``
+    (host ints, or traced arrays with ``xp`` jax.numpy)."""
+    return xp.clip(xp.minimum(xp.minimum(k_max, budget - 1), limit - length), 0, None)
 
 
 def drafts_for(k_max, budget, length, limit, xp=np):

@@ -23,8 +23,9 @@ def test_the_k_table_weighs_acceptance_against_the_rounds_cost():
     dear = SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True, draft_cost=1.0)
     from sfjax import toy
     cfg = toy.tiny_config()
-    t = cheap.k_table(cfg, 8, row_tile=8, small=(2, 4))
-    assert t.shape == (9, ADAPTIVE_LEVELS + 1)
+    table = cheap.k_table(cfg, 8, row_tile=8, small=(2, 4))
+    assert table.shape == (9, ADAPTIVE_LEVELS + 1, ADAPTIVE_MAX + 1)
+    t = table[..., ADAPTIVE_MAX]                                    # rows that may draft 7
     assert t[1, 0] == 0 and t[1, -1] == ADAPTIVE_MAX
     assert (np.diff(t, axis=1) >= 0).all()                          # more acceptance, more k
     # batch 1 in certified tiles: 2 rows cost 1 row's tile, 3-4 a 4-row tile, 5-8 a full one
@@ -32,20 +33,27 @@ def test_the_k_table_weighs_acceptance_against_the_rounds_cost():
     # at 8 live rows a verify row costs a share of a full tile: none drafts at low acceptance
     low = ADAPTIVE_LEVELS // 8
     assert t[1, low] == 1 and t[8, low] == 0 and (t[8] <= t[1]).all()
+    # a cap is weighed, not clipped: a row that may draft 4 (5 rows: a full tile) where 7 pay
+    # drafts 3 (a 4-row tile); the best of 0..c never passes c and grows with it
+    assert table[1, -1, 4] == 3 and (table[..., 0] == 0).all()
+    assert (table <= np.arange(ADAPTIVE_MAX + 1)).all() and (np.diff(table, axis=2) >= 0).all()
     # without small tiles any 8 rows cost one tile: one request drafts 7 as soon as any pays
-    assert set(cheap.k_table(cfg, 1, row_tile=8)[1]) == {0, ADAPTIVE_MAX}
+    assert set(cheap.k_table(cfg, 1, row_tile=8)[1, :, -1]) == {0, ADAPTIVE_MAX}
     # a draft as dear as a step never pays
     assert (dear.k_table(cfg, 8, row_tile=8, small=(2, 4)) == 0).all()
     assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": "auto"}) \
         == SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True)
     assert SpeculativeConfig("ngram", 8).k_table(cfg, 8) is None
     # integer steps: numpy on the host and jax.numpy on the device read the same entry; a row
-    # the table gives 0 drafts 1 at every ADAPTIVE_PROBE-th output token
-    accepted, rejected = np.array([0, 3, 99, 10, 10, 10]), np.array([0, 3, 1, 900, 900, 900])
-    live, generated = np.array([1, 8, 8, 8, 8, 3]), np.array([5, 5, 5, 5, ADAPTIVE_PROBE, 9])
-    host = adaptive_k(t, accepted, rejected, live, generated)
-    assert (host == np.asarray(adaptive_k(t, accepted, rejected, live, generated, jax.numpy))).all()
-    assert host[2] == ADAPTIVE_MAX and list(host[3:]) == [0, 1, 0]
+    # the table gives 0 drafts 1 at every ADAPTIVE_PROBE-th output token, if it may draft
+    accepted = np.array([0, 3, 99, 10, 10, 10, 10])
+    rejected = np.array([0, 3, 1, 900, 900, 900, 900])
+    live, generated = np.array([1, 8, 8, 8, 8, 3, 8]), np.array([5, 5, 5, 5, ADAPTIVE_PROBE, 9, 16])
+    cap = np.array([7, 7, 7, 7, 7, 7, 0])
+    host = adaptive_k(table, accepted, rejected, live, generated, cap)
+    assert (host == np.asarray(adaptive_k(table, accepted, rejected, live, generated, cap,
+                                          jax.numpy))).all()
+    assert host[2] == ADAPTIVE_MAX and list(host[3:]) == [0, 1, 0, 0]
     with pytest.raises(ValueError, match="draft_cost"):
         SpeculativeConfig("ngram", 8, adaptive_k=True, draft_cost=-1.0)
 
