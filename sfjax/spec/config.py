@@ -202,9 +202,10 @@ class SpeculativeConfig:
             value[b] = tokens / (cost(n * (k + 1)) / cost(n) + drafts)
         value[0] = value[1]
         out = np.zeros(value.shape, np.int16)     # the best k of 0..c, c by c
+        best = value[..., 0]
         for c in k[1:]:                           # ties: the fewer drafts
-            out[..., c] = np.where(value[..., c] > np.take_along_axis(
-                value, out[..., c - 1:c].astype(np.intp), axis=-1)[..., 0], c, out[..., c - 1])
+            out[..., c] = np.where(value[..., c] > best, c, out[..., c - 1])
+            best = np.maximum(best, value[..., c])
         return out
 
 
