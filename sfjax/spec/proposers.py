@@ -79,23 +79,22 @@ def ngram(history, slots, length, k: int, n_min: int, n_max: int, table: T.Ngram
 @dataclasses.dataclass(frozen=True)
 class Ngram:
     """Prompt lookup of the last ``n_min``..``n_max`` tokens (``ngram``); the draft weights are
-    the n-gram table, or None. The lookup (``ngram``) runs before the round's layout
-    (``functional._spec_k``), so that a row's k counts only the drafts it found; the round
-    reads them from ``SpecBatch.drafts``."""
+    the n-gram table, or None."""
     k_max: int
     n_min: int = 1
     n_max: int = 4
 
     def propose(self, ctx, draft_weights, draft_cache):
         spec = ctx.spec
-        if spec.drafts is None:
-            raise ValueError("SpecBatch.drafts: an ngram round's drafts are looked up before its "
-                             "layout (sfjax.functional._spec_k)")
+        if spec.drafts is not None:        # looked up before the layout (``functional._spec_k``)
+            drafts, available = spec.drafts, spec.k
+        else:
+            drafts, available = ngram(ctx.history, spec.slots, spec.length, self.k_max, self.n_min,
+                                      self.n_max, table=draft_weights)
         logq = None
         if ctx.compares_distributions:        # a proposal is a point mass
-            logq = jnp.where(jax.nn.one_hot(spec.drafts, ctx.run.model.vocab_size,
-                                            dtype=jnp.bool_), 0.0, -jnp.inf)
-        return spec.drafts, spec.k, logq, draft_cache
+            logq = jnp.where(jax.nn.one_hot(drafts, ctx.run.model.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
+        return drafts, jnp.minimum(spec.k, available), logq, draft_cache
 
 
 def _rows(b: sampling.SamplingBatch, idx):
