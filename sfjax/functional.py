@@ -35,8 +35,8 @@ from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.sampling import Draws, Sampling
 from sfjax.spec import accept, eagle, proposers
-from sfjax.spec.config import (acceptance_level, adaptive_k, draft_cap, drafts_for, drafts_pay,
-                               fill_tile)
+from sfjax.spec.config import (acceptance_level, adaptive_k, draft_cap, drafts_for,
+                               round_drafts)
 from sfjax.round import SpecBatch, round_step
 from sfjax.run import RunConfig
 from sfjax.spec.table import NgramTable
@@ -482,17 +482,13 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=
     cap = jnp.where(drafting, jnp.minimum(draft_cap(k_max, budget, length, limit, jnp), found), 0)
     k = adaptive_k(table, p.accepted[order], p.rejected[order], n_live, length - plen, cap, jnp)
     k = jnp.where(k <= room, k, 0)
-    # none of them if the round's drafts do not pay (the host's k is a bound)
+    # the fill of free drafts and whether the round's drafts pay (the host's k is a bound)
     level = acceptance_level(p.accepted[order], p.rejected[order], jnp)
-    pay = drafts_pay(k, level, live, k_max, spec.cost(cfg.model), cfg.row_tile, cfg.small_tiles,
-                     cfg.matmul is None, sharding.dp_of(cfg.mesh))
-    k = jnp.where(pay, k, 0)
-    if (spec.method != "ngram" or spec.cost(cfg.model) > 0 or cfg.matmul is not None
-            or sharding.dp_of(cfg.mesh) > 1):
-        return k, drafts
-    # free drafts (no draft step): the last tile's empty rows verify more of them
-    cap = jnp.minimum(cap, jnp.maximum(room, 0))
-    return fill_tile(k, cap, level, live, taken, cfg.row_tile, cfg.small_tiles), drafts
+    cost, tiled, dp = spec.cost(cfg.model), cfg.matmul is None, sharding.dp_of(cfg.mesh)
+    free = spec.method == "ngram" and not cost and tiled and dp == 1     # no draft step to add
+    k = round_drafts(k, jnp.minimum(cap, jnp.maximum(room, 0)), level, live, taken, k_max, cost,
+                     cfg.row_tile, cfg.small_tiles, tiled, dp, fill=free)
+    return k, drafts
 
 
 def _packed_logit_rows(order, live, length, plen, first, k, r: int):

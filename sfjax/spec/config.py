@@ -266,22 +266,47 @@ def adaptive_k(table, accepted, rejected, live, generated, cap, xp=np):
 
 
 def drafts_pay(k, level, live, k_max: int, draft_cost: float, row_tile: int,
-               small: tuple[int, ...], tiled: bool, dp: int = 1):
+               small: tuple[int, ...], tiled: bool, dp: int = 1, taken=0):
     """Whether a round's drafts pay, on the device (traced): its ``live`` rows' (bool [B])
     expected tokens, each at its final k (``k`` int32 [B]) and ``acceptance_level``, per the
-    round's cost with the drafts (``round_cost`` of a data shard's rows, over its cost at one
-    row each, and ``draft_cost`` a draft) above one token a row at the cost without. The table
-    counts a verify row at a share of the tiles; this catches drafts that alone open a tile (a
-    few rows drafting one each over a full tile of rows)."""
+    round's cost with the drafts (``round_cost`` of a data shard's rows, the ``taken`` rows of
+    the host's prefill chunks among them, over its cost at one row each, and ``draft_cost`` a
+    draft) above one token a row at the cost without. The table counts a verify row at a share
+    of the tiles; this catches drafts that alone open a tile (a few rows drafting one each over
+    a full tile of rows)."""
     import jax.numpy as jnp
 
     by_k = expected_tokens(level.astype(jnp.float32) / ADAPTIVE_LEVELS, k_max, jnp)
     tokens = jnp.take_along_axis(by_k, k[:, None], axis=1)[:, 0]
     n, drafts = jnp.sum(live.astype(jnp.int32)), jnp.sum(jnp.where(live, k, 0))
-    shard = lambda rows: -(-rows // dp)                                       # noqa: E731
-    cost = lambda rows: round_cost(shard(rows), shard(n), row_tile, small, tiled, jnp)  # noqa: E731
+    def cost(rows):             # of a data shard's rows, the host's among them
+        return round_cost(-(-(taken + rows) // dp), -(-n // dp), row_tile, small, tiled, jnp)
     ratio = cost(n + drafts) / cost(n) + draft_cost * drafts / jnp.maximum(n, 1)
     return jnp.sum(jnp.where(live, tokens, 0.0)) > ratio * n
+
+
+def round_drafts(k, cap, level, live, taken, k_max: int, draft_cost: float, row_tile: int,
+                 small: tuple[int, ...], tiled: bool, dp: int = 1, fill: bool = False):
+    """A round's drafts, row by row (traced), from each live row's ``adaptive_k`` (``k``, int32
+    [B]). With ``fill`` (drafts that add no draft step, on the row-tile path of one data shard:
+    ``ngram``), the rows the round's last tile leaves empty first go to more drafts
+    (``fill_tile``, up to each row's ``cap``). The drafts are then kept if they pay
+    (``drafts_pay``, the fill's drafts counted), else dropped; with ``fill``, the empty rows of
+    the tiles the round runs without drafts are still filled.
+
+    Judged before the fill, rows whose k open a last tile by a row or two (eight live rows of
+    k 2, 1, ..., 1: 17 rows, three 8-row tiles) did not pay, and every draft was dropped; the
+    acceptance counts then never moved again, and the requests decoded without speculation
+    to the end. Filled, those three tiles verify 16 drafts, and they pay."""
+    import jax.numpy as jnp
+
+    if not fill:
+        return jnp.where(drafts_pay(k, level, live, k_max, draft_cost, row_tile, small, tiled,
+                                    dp, taken), k, 0)
+    filled = fill_tile(k, cap, level, live, taken, row_tile, small)
+    none = fill_tile(jnp.zeros_like(k), cap, level, live, taken, row_tile, small)
+    return jnp.where(drafts_pay(filled, level, live, k_max, draft_cost, row_tile, small, tiled,
+                                dp, taken), filled, none)
 
 
 def fill_tile(k, cap, level, live, taken, row_tile: int, small: tuple[int, ...]):

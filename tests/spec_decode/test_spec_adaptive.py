@@ -9,7 +9,7 @@ import pytest
 from sfjax import LLM
 from sfjax.benchmark import compiles
 from sfjax.spec.config import (ADAPTIVE_LEVELS, ADAPTIVE_MAX, ADAPTIVE_PROBE, SpeculativeConfig,
-                               adaptive_k, drafts_pay, fill_tile)
+                               adaptive_k, drafts_pay, fill_tile, round_drafts)
 from spec_util import (BATCH8_SEED, GEOMETRY, assert_same_outputs, delta, greedy, prompts,
                        repeated_prompts, run, sampled, spec_counters)
 
@@ -76,6 +76,35 @@ def test_a_rounds_drafts_are_dropped_where_they_do_not_pay():
     # rows that are not live do not count: one live row of eight entries
     assert bool(drafts_pay(jnp.asarray([1] + [0] * 7, jnp.int32), level(0.1, 8),
                            jnp.asarray([True] + [False] * 7), ADAPTIVE_MAX, 0.0, **tiles))
+    # a prefill chunk's rows in the round: one more tile over nine is dearer than over one
+    assert not pay([1] * 8, 0.2) and pay([1] * 8, 0.2, taken=56)
+
+
+def test_a_rounds_drafts_are_judged_with_its_fill():
+    """``round_drafts``: free drafts fill the tiles the rows' k open before the round is judged,
+    and a round whose drafts do not pay still fills the tiles it runs without them. The first
+    state is one a batch-8 run of the demo target reached (tests/test_demo_model.py): judged
+    without the fill, its 17 rows in three tiles did not pay, and no row drafted again."""
+    jnp = jax.numpy
+    k = jnp.asarray([2, 1, 1, 1, 1, 1, 1, 1], jnp.int32)
+    cap = jnp.asarray([3, 4, 4, 4, 4, 4, 4, 4], jnp.int32)
+    level = jnp.asarray([44, 36, 32, 18, 27, 36, 21, 21], jnp.int32)
+    live = jnp.ones(8, bool)
+
+    def drafts(k, cap, level, live, taken=0, fill=True, cost=0.0):
+        return [int(x) for x in round_drafts(k, cap, level, live, taken, ADAPTIVE_MAX, cost, 8,
+                                             (2, 4), True, fill=fill)]
+    assert not bool(drafts_pay(k, level, live, ADAPTIVE_MAX, 0.0, 8, (2, 4), True))
+    got = drafts(k, cap, level, live)
+    assert sum(got) + 8 == 24 and all(int(a) <= g <= int(c) for a, g, c in zip(k, got, cap))
+    assert got == [3, 4, 1, 1, 1, 4, 1, 1]        # the highest acceptance first, to their caps
+    assert drafts(k, cap, level, live, fill=False) == [0] * 8     # draft steps: all or none
+    # low acceptance: no drafts open a tile; five live rows still fill their 8-row tile
+    low = jnp.full(8, 4, jnp.int32)
+    assert drafts(k, cap, low, live) == [0] * 8
+    five = jnp.arange(8) < 5
+    assert drafts(k, cap, low, five) == [3, 0, 0, 0, 0, 0, 0, 0]
+    assert drafts(k, cap, low, five, fill=False) == [0] * 8
 
 
 def test_free_drafts_fill_the_last_tile_best_rows_first():
