@@ -91,8 +91,8 @@ def test_a_rounds_drafts_are_judged_with_its_fill():
     level = jnp.asarray([44, 36, 32, 18, 27, 36, 21, 21], jnp.int32)
     live = jnp.ones(8, bool)
 
-    def drafts(k, cap, level, live, taken=0, fill=True, cost=0.0):
-        return [int(x) for x in round_drafts(k, cap, level, live, taken, ADAPTIVE_MAX, cost, 8,
+    def drafts(k, cap, level, live, taken=0, fill=True):
+        return [int(x) for x in round_drafts(k, cap, level, live, taken, ADAPTIVE_MAX, 0.0, 8,
                                              (2, 4), True, fill=fill)]
     assert not bool(drafts_pay(k, level, live, ADAPTIVE_MAX, 0.0, 8, (2, 4), True))
     got = drafts(k, cap, level, live)
@@ -105,6 +105,7 @@ def test_a_rounds_drafts_are_judged_with_its_fill():
     five = jnp.arange(8) < 5
     assert drafts(k, cap, low, five) == [3, 0, 0, 0, 0, 0, 0, 0]
     assert drafts(k, cap, low, five, fill=False) == [0] * 8
+    assert drafts(k, cap, low, five, taken=3) == [0] * 8      # 3 host rows take the tile's rest
 
 
 def test_free_drafts_fill_the_last_tile_best_rows_first():
