@@ -129,21 +129,21 @@ def test_adaptive_k_keeps_drafting_over_a_full_tile_of_rows(default_llm):
     random ids (the bench's --mixed): plain decoding's tokens, and the rows keep drafting to the
     end. Before a round's fill counted in whether its drafts pay (``spec.config.round_drafts``),
     its third round's table k (2, 1, ..., 1: 17 rows, three tiles) did not pay, no row drafted
-    again, and the batch ran 127 rounds with 42 drafting rows in all."""
+    again, and the batch ran 61 rounds with 43 drafting rows in all (127 and 42 at 128 tokens)."""
     from sfjax.benchmark import random_workload
     from sfjax.default_model import default_speculative_config
 
     code = [default_llm.get_tokenizer().encode(p).ids for p in code_prompts.code_prompts(4)]
     noise = random_workload(4, len(code[0]), 128, default_llm.model_config.vocab_size, 0)
     prompts = [{"prompt_token_ids": p} for p in code + noise.prompt_ids]
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm = LLM(max_num_seqs=8, speculative_config={**default_speculative_config("ngram"),
                                                   "num_speculative_tokens": "auto"})
     got = llm.generate(prompts, params, use_tqdm=False)
     want = default_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     m = llm.get_metrics()
-    assert m["steps"] < 80 and m["spec_decode"]["num_drafts"] > 4 * m["steps"], m   # 58, 379
+    assert m["steps"] < 45 and m["spec_decode"]["num_drafts"] > 4 * m["steps"], m   # 37, 233
 
 
 def test_benchmark_prompts_end_with_a_def_line_of_held_out_files(tmp_path):
