@@ -102,15 +102,34 @@ def test_lookup_bigram_then_unigram_then_nothing():
     t = T.build(CORPUS, V, width=2, min_count=2)
     prev = jnp.array([5, 1, -1, 0, 6, 7], jnp.int32)
     last = jnp.array([6, 6, 7, 0, 7, 8], jnp.int32)
-    drafts, avail = map(np.asarray, T.lookup(t, prev, last, 3))
-    assert avail.tolist() == [2, 2, 2, 0, 2, 1]              # k = 3 > width 2: at most 2
-    assert drafts[:, :2].tolist() == [[7, 2], [7, 2], [2, 3], [0, 0], [2, 3], [9, 0]]
-    assert (drafts[:, 2] == 0).all()
+    drafts, avail = map(np.asarray, T.lookup(t, prev, last, 2))
+    assert avail.tolist() == [2, 2, 2, 0, 2, 1]
+    assert drafts.tolist() == [[7, 2], [7, 2], [2, 3], [0, 0], [2, 3], [9, 0]]
     d1, a1 = map(np.asarray, T.lookup(t, prev, last, 1))
     assert a1.tolist() == [1, 1, 1, 0, 1, 1] and d1[:, 0].tolist() == [7, 7, 2, 0, 2, 9]
     empty = T.build([[1, 2]], V, width=2, min_count=1)        # no bigram; one unigram (1 -> 2)
     assert empty.keys.shape[0] == 0
     assert np.asarray(T.lookup(empty, prev, last, 2)[1]).tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 4, 7, 9])
+def test_lookup_past_the_width_chains_as_a_wider_table(width, k):
+    """Past its width a lookup goes on from its own last two drafts: the drafts and counts of a
+    table built k wide, for every context pair of the vocabulary (the chain's stops included:
+    a token with no entry ends it)."""
+    rng = np.random.default_rng(width * 10 + k)
+    # V - 2 never occurs (no entry: no drafts) and V - 1 only last (a chain stops after it)
+    corpus = [rng.integers(0, V - 2, 12).tolist() + [V - 1] for _ in range(6)]
+    narrow = T.build(corpus, V, width=width, min_count=2)
+    wide = T.build(corpus, V, width=max(k, width), min_count=2)
+    prev, last = (jnp.asarray(x.ravel(), jnp.int32)
+                  for x in np.meshgrid(np.arange(-1, V), np.arange(V), indexing="ij"))
+    (d, a), (dw, aw) = (map(np.asarray, T.lookup(t, prev, last, k)) for t in (narrow, wide))
+    np.testing.assert_array_equal(a, aw)
+    np.testing.assert_array_equal(d, dw)
+    assert (a == 0).any() and (a > 0).any() and (a < k).any()
+    assert a.max() == k                      # some run past the narrow width, to k
 
 
 def test_proposer_takes_the_table_only_without_a_match():

@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from safetensors.numpy import load_file, save_file
 
 TABLE_FILE = "ngram_table.safetensors"
@@ -142,21 +143,44 @@ def load(path: str, vocab_size: int | None = None) -> NgramTable:
 
 
 def lookup(table: NgramTable, prev, last, k: int):
-    """Drafts after each row's last two tokens: the (prev, last) continuation, else last's alone.
+    """Drafts after each row's last two tokens: the (prev, last) continuation, else last's alone;
+    past the table's width, chained on: the continuation of its own last two tokens, block by
+    block (a table built ``width`` * m wide stores those very tokens, ``build``'s chain), until
+    k or a token with no entry.
 
     Args:
       prev, last: int32 [S] (prev < 0: no two-token context).
     Returns:
       (drafts int32 [S, k], available int32 [S]: how many of them exist).
     """
+    w = table.width
+    blocks = -(-k // w)
+    # [prev, last, block 0, block 1, ...]: each block looked up after the two tokens before it
+    seq = jnp.concatenate([prev[:, None], last[:, None], _block(table, prev, last)], axis=1)
+    if blocks > 1:
+        seq = jnp.concatenate([seq, jnp.full((seq.shape[0], (blocks - 1) * w), -1, jnp.int32)],
+                              axis=1)
+
+        def more(b, seq):
+            at = lambda i: lax.dynamic_index_in_dim(seq, i, axis=1, keepdims=False)  # noqa: E731
+            before, newest = at(b * w), at(b * w + 1)
+            return lax.dynamic_update_slice_in_dim(seq, _block(table, before, newest), 2 + b * w,
+                                                   axis=1)
+        seq = lax.fori_loop(1, blocks, more, seq)
+    cont = seq[:, 2:2 + k]
+    have = jnp.sum(jnp.cumprod((cont >= 0).astype(jnp.int32), axis=1), axis=1)
+    return jnp.maximum(cont, 0), have.astype(jnp.int32)
+
+
+def _block(table: NgramTable, prev, last):
+    """int32 [S, W]: the table's continuation after (prev, last), else after last alone; all -1
+    where last < 0 (a chain that ended)."""
     v = table.vocab_size
-    key = jnp.where(prev >= 0, prev * v + last, -1)
-    m = table.keys.shape[0]
-    at = jnp.clip(jnp.searchsorted(table.keys, key), 0, max(m - 1, 0))
-    hit = (key >= 0) & (table.keys[at] == key) if m else jnp.zeros_like(key, jnp.bool_)
-    cont = table.values[at] if m else jnp.full((key.shape[0], table.width), -1, jnp.int32)
-    cont = jnp.where(hit[:, None], cont, table.unigram[jnp.clip(last, 0, v - 1)])   # [S, W]
-    w = min(k, table.width)
-    have = jnp.sum(jnp.cumprod((cont[:, :w] >= 0).astype(jnp.int32), axis=1), axis=1)
-    drafts = jnp.zeros((key.shape[0], k), jnp.int32).at[:, :w].set(jnp.maximum(cont[:, :w], 0))
-    return drafts, have.astype(jnp.int32)
+    keys, values, unigram = map(jnp.asarray, (table.keys, table.values, table.unigram))
+    key = jnp.where((prev >= 0) & (last >= 0), prev * v + last, -1)
+    m = keys.shape[0]
+    at = jnp.clip(jnp.searchsorted(keys, key), 0, max(m - 1, 0))
+    hit = (key >= 0) & (keys[at] == key) if m else jnp.zeros_like(key, jnp.bool_)
+    cont = values[at] if m else jnp.full((key.shape[0], table.width), -1, jnp.int32)
+    cont = jnp.where(hit[:, None], cont, unigram[jnp.clip(last, 0, v - 1)])   # [S, W]
+    return jnp.where((last >= 0)[:, None], cont, -1).astype(jnp.int32)
