@@ -161,11 +161,9 @@ def lookup(table: NgramTable, prev, last, k: int):
         seq = jnp.concatenate([seq, jnp.full((seq.shape[0], (blocks - 1) * w), -1, jnp.int32)],
                               axis=1)
 
-        def more(b, seq):
-            at = lambda i: lax.dynamic_index_in_dim(seq, i, axis=1, keepdims=False)  # noqa: E731
-            before, newest = at(b * w), at(b * w + 1)
-            return lax.dynamic_update_slice_in_dim(seq, _block(table, before, newest), 2 + b * w,
-                                                   axis=1)
+        def more(b, seq):       # block b after the two tokens before it, at 2 + b * w
+            block = _block(table, seq[:, b * w], seq[:, b * w + 1])
+            return lax.dynamic_update_slice_in_dim(seq, block, 2 + b * w, axis=1)
         seq = lax.fori_loop(1, blocks, more, seq)
     cont = seq[:, 2:2 + k]
     have = jnp.sum(jnp.cumprod((cont >= 0).astype(jnp.int32), axis=1), axis=1)
