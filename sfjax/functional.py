@@ -35,7 +35,7 @@ from sfjax import weights as W
 from sfjax.cache import KVCache
 from sfjax.sampling import Draws, Sampling
 from sfjax.spec import accept, eagle, proposers
-from sfjax.spec.config import (acceptance_level, adaptive_k, draft_cap, drafts_for,
+from sfjax.spec.config import (acceptance_level, adaptive_k, draft_cap, drafts_for, kind_counts,
                                round_drafts)
 from sfjax.round import SpecBatch, round_step
 from sfjax.run import RunConfig
@@ -149,10 +149,11 @@ def _draws(slot, length, prompt_len, k1: int, n: int) -> Draws:
                  prompt_len=pad(rep(prompt_len), 0), target=jnp.full(n, -1, jnp.int32))
 
 
-def _commit(st: State, order, live, out, emitted, accepted, drafted) -> State:
+def _commit(st: State, order, live, out, emitted, accepted, drafted, copied=None) -> State:
     """Appends each live row's ``out[r, :emitted[r]]`` (row r is sequence ``order[r]``), ends rows
     at a stop token, max_tokens or max_model_len (``accept.ends`` with the rows' ``accept.left``,
-    the round's own rule), and counts drafts, in the rows' progress."""
+    the round's own rule), and counts drafts, in the rows' progress: those of the rows that
+    drafted a copy (``copied`` bool [B], ``ngram``'s match) apart too."""
     p = st.progress
     s, max_len = st.history.shape
     length = p.length[order]
@@ -166,13 +167,17 @@ def _commit(st: State, order, live, out, emitted, accepted, drafted) -> State:
     spec = drafted > 0
     taken = jnp.where(spec, jnp.minimum(accepted, emitted), 0)
     put = lambda old, new: old.at[order].set(jnp.where(live, new, old[order]))
+    rejected = spec & (taken < drafted)
+    copied = jnp.zeros_like(spec) if copied is None else copied & spec
     return dataclasses.replace(st, history=history, progress=dataclasses.replace(
         p, length=put(p.length, length + emitted), live=put(p.live, ~ended),
         last=put(p.last, jnp.where(emitted > 0, newest, p.last[order])),
         spec_rounds=put(p.spec_rounds, p.spec_rounds[order] + spec),
         drafted=put(p.drafted, p.drafted[order] + drafted),
         accepted=put(p.accepted, p.accepted[order] + taken),
-        rejected=put(p.rejected, p.rejected[order] + (spec & (taken < drafted)))))
+        rejected=put(p.rejected, p.rejected[order] + rejected),
+        copy_accepted=put(p.copy_accepted, p.copy_accepted[order] + jnp.where(copied, taken, 0)),
+        copy_rejected=put(p.copy_rejected, p.copy_rejected[order] + (copied & rejected))))
 
 
 def prefill(weights: W.Weights, prompt_ids, prompt_lens, sampling: Sampling, cfg: Config,
@@ -371,7 +376,7 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
         num_logit_rows = n_live
         draws = jax.tree.map(lambda x: x[:r], _draws(order, length, plen, 1, wide))
     else:       # each slot's k + 1 rows packed, by its own k: the padding all at the end
-        k, drafts = _spec_k(st, cfg, order, live, length, plen,
+        k, drafts, copied = _spec_k(st, cfg, order, live, length, plen,
                             0 if host is None else host.running,
                             0 if host is None else jnp.sum(host.rows), dw)
         first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile, counts=k + 1,
@@ -393,7 +398,7 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
         num_logit_rows=num_logit_rows, with_logprobs=logprobs, draws=draws)
     sb = None if spec is None else _spec_batch(st, cfg, order, live, length, last, first, k,
                                                jnp.where(live, logit_first, r), na, host, drafts)
-    return batch, sb, (order, live, k, logit_first)
+    return batch, sb, (order, live, k, logit_first, None if spec is None else copied)
 
 
 @jax.tree_util.register_dataclass
@@ -435,7 +440,7 @@ def _after(n, head, tail):
 def _finish(st: State, drawn, v, cfg: Config, laid, with_logprobs: bool):
     """The state after a round laid out by ``_layout`` (``laid``) gave ``st``, ``drawn`` and
     ``v`` (``round.round_step``'s), and its tokens' logprobs (``_round_reported``)."""
-    order, live, k, logit_first = laid
+    order, live, k, logit_first, copied = laid
     s = order.shape[0]
     spec = cfg.speculative_config
     k1 = spec.num_speculative_tokens + 1 if spec else 1
@@ -451,7 +456,7 @@ def _finish(st: State, drawn, v, cfg: Config, laid, with_logprobs: bool):
         tokens = jnp.take(drawn.tokens, logit_first, mode="clip")   # live entries first
         return _commit(st, order, live, tokens[:, None], live.astype(jnp.int32), zero,
                        zero), report
-    return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted), report
+    return _commit(st, order, live, v.tokens, v.emitted, v.accepted, v.drafted, copied), report
 
 
 def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=0, dw=None):
@@ -462,33 +467,39 @@ def _spec_k(st: State, cfg: Config, order, live, length, plen, running=0, taken=
     the entries' (the host's). For ``ngram``, the lookup (over ``st.history``, which holds each
     live entry's tokens through its newest; ``dw``: the table) runs here, before the layout, and
     an entry's k counts only the drafts it found: no verify row is laid out for a draft that does
-    not exist. Returns (k, those drafts int32 [B, k_max], or None for the other proposers)."""
+    not exist; adaptive_k weighs a copy (a match in the entry's own tokens) by its copies'
+    acceptance and the table's guesses by theirs (``kind_counts``). Returns (k, those drafts
+    int32 [B, k_max], or None for the other proposers, and whether each entry's are a copy)."""
     spec = cfg.speculative_config
     p = st.progress
     _, _, budget = accept.left(st.table, order, length, plen, cfg.max_model_len)
     k_max, limit = spec.num_speculative_tokens, spec.draft_limit(cfg.max_model_len, cfg.draft)
-    drafts, found = None, k_max
+    drafts, found, copied = None, k_max, jnp.zeros(order.shape, bool)
     if spec.method == "ngram":
-        drafts, found = proposers.ngram(st.history, order, length, k_max, spec.prompt_lookup_min,
-                                        spec.prompt_lookup_max, table=dw)
+        drafts, found, copied = proposers.ngram(st.history, order, length, k_max,
+                                                spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                                table=dw)
     room = jnp.sum(st.block_tables[order] != 0, axis=1) * cfg.block_size - length
     n_live = jnp.sum(live.astype(jnp.int32))
     drafting = live & p.drafts[order] & spec.speculates_at(n_live + running)
     table = cfg.k_table(order.shape[0])
     if table is None:
         k = jnp.minimum(drafts_for(k_max, budget, length, limit, xp=jnp), found)
-        return jnp.where(drafting & (k <= room), k, 0), drafts
-    # adaptive_k: each row's k from its own acceptance so far, weighed up to what it may draft
+        return jnp.where(drafting & (k <= room), k, 0), drafts, copied
+    # adaptive_k: each row's k from its own acceptance so far (of this round's kind of draft),
+    # weighed up to what it may draft
+    counts = kind_counts(p.accepted[order], p.rejected[order], p.copy_accepted[order],
+                         p.copy_rejected[order], copied, jnp)
     cap = jnp.where(drafting, jnp.minimum(draft_cap(k_max, budget, length, limit, jnp), found), 0)
-    k = adaptive_k(table, p.accepted[order], p.rejected[order], n_live, length - plen, cap, jnp)
+    k = adaptive_k(table, *counts, n_live, length - plen, cap, jnp, copied)
     k = jnp.where(k <= room, k, 0)
     # the fill of free drafts and whether the round's drafts pay (the host's k is a bound)
-    level = acceptance_level(p.accepted[order], p.rejected[order], jnp)
+    level = acceptance_level(*counts, jnp, copied)
     cost, tiled, dp = spec.cost(cfg.model), cfg.matmul is None, sharding.dp_of(cfg.mesh)
     free = spec.method == "ngram" and not cost and tiled and dp == 1     # no draft step to add
     k = round_drafts(k, jnp.minimum(cap, jnp.maximum(room, 0)), level, live, taken, k_max, cost,
                      cfg.row_tile, cfg.small_tiles, tiled, dp, fill=free)
-    return k, drafts
+    return k, drafts, copied
 
 
 def _packed_logit_rows(order, live, length, plen, first, k, r: int):

@@ -34,6 +34,9 @@ class Progress:
     spec_rounds: jax.Array   # its rounds that drafted (vLLM's num_drafts)
     rejected: jax.Array      # its rounds that rejected a draft (adaptive_k reads them)
     drafts: jax.Array        # bool: its request drafts (its strategy is the round's, not plain)
+    copy_accepted: jax.Array  # of ``accepted``, those of rounds that drafted a copy (``ngram``'s
+    copy_rejected: jax.Array  # match in the row's own tokens), and of ``rejected``: adaptive_k
+                              # reads copies and the other drafts apart
 
     @classmethod
     def start(cls, prompt_len) -> "Progress":
@@ -42,11 +45,12 @@ class Progress:
         zeros = lambda: jnp.zeros_like(prompt_len)
         return cls(prompt_len=jnp.array(prompt_len), length=jnp.array(prompt_len), last=zeros(),
                    live=prompt_len > 0, drafted=zeros(), accepted=zeros(), spec_rounds=zeros(),
-                   rejected=zeros(), drafts=prompt_len > 0)
+                   rejected=zeros(), drafts=prompt_len > 0, copy_accepted=zeros(),
+                   copy_rejected=zeros())
 
     @classmethod
     def of_rows(cls, rows: np.ndarray) -> "Progress":
-        """The progress of int32 rows [U, 9], one column per field in order (the host's form:
+        """The progress of int32 rows [U, 11], one column per field in order (the host's form:
         ``sfjax.engine.slots``)."""
         return cls(*(rows[:, i].astype(bool if name in ("live", "drafts") else np.int32)
                      for i, name in enumerate(PROGRESS_FIELDS)))

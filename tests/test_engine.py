@@ -146,12 +146,12 @@ def _device_rows_follow_the_host(eng):
     record = eng.slots.progress
     if eng._inflight is not None:       # what reading it back will record, on a copy
         call = eng._inflight
-        n, tokens, length, live, drafted, accepted = rounds.unpack(
+        n, tokens, length, live, drafted, accepted, copies = rounds.unpack(
             np.asarray(call.result[0]), eng.programs.max_rounds)
         ahead = SlotSync(eng.block_tables, None, lambda reqs: None)
         ahead.progress = record.copy()
         ahead.advanced(call.slots, length[call.slots], live[call.slots], tokens,
-                       drafted[:n, call.slots], accepted[:n, call.slots])
+                       drafted[:n, call.slots], accepted[:n, call.slots], copies[call.slots])
         record = ahead.progress
     for got, want in zip(jax.tree.leaves(progress), jax.tree.leaves(Progress.of_rows(record))):
         assert got.tobytes() == want.tobytes()
@@ -239,6 +239,37 @@ def test_decoding_on_the_device_sends_nothing_between_calls(llm):
             calls.append(len(sent) - before)
             _device_rows_follow_the_host(eng)
         assert calls == [1, 1, 0]
+
+
+def test_copies_are_counted_apart_on_the_device_as_on_the_host(llm, tiny_folder):
+    """N-gram lookup with adaptive k: the device counts the drafts of rounds that copied the
+    row's own tokens apart (``Progress.copy_accepted``, ``copy_rejected``) and the host's
+    record follows it after every step, with async scheduling, several rounds a call and one
+    request waiting for a slot; the tokens are plain decoding's, and the request and engine
+    counters agree."""
+    prompts = [{"prompt_token_ids": ([7, 3, 9, 4] * 6)[:n]} for n in (23, 18, 13)]
+    prompts += _prompts(2, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _ids(llm.generate(prompts, params, use_tqdm=False))
+    spec = LLM(tiny_folder, max_num_seqs=4, max_model_len=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": "auto",
+                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    eng = spec.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    got, copies = {}, [0, 0]
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got[int(out.request_id)] = out.outputs[0].token_ids
+                d = out.metrics.spec_decode
+                assert 0 <= d["num_accepted_copy_tokens"] <= d["num_accepted_tokens"]
+                copies[d["num_accepted_copy_tokens"] > 0] += 1
+        _device_rows_follow_the_host(eng)
+    assert [got[i] for i in range(len(prompts))] == plain
+    total = spec.get_metrics()["spec_decode"]
+    assert copies[True] >= 3
+    assert 0 < total["num_accepted_copy_tokens"] <= total["num_accepted_tokens"]
 
 
 def test_engines_share_the_programs_of_what_the_device_reads(model_folder):

@@ -401,7 +401,7 @@ def test_ngram_lays_out_verify_rows_only_for_the_drafts_it_found(pair):
                              progress=dataclasses.replace(p, last=last))
     batch, sb, (order, live, k, _) = F._layout(st, cfg, False)
     p = st.progress
-    drafts, available = proposers.ngram(st.history, order, p.length[order], 3, 1, 4)
+    drafts, available, _ = proposers.ngram(st.history, order, p.length[order], 3, 1, 4)
     assert bool(live.all()) and available[1] == 0 < available[0]
     np.testing.assert_array_equal(k, np.minimum(3, available))
     np.testing.assert_array_equal(sb.k, k)

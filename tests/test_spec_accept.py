@@ -155,8 +155,8 @@ def test_ngram_proposer_matches_a_brute_force_lookup(n_min, n_max, vocab):
     length = np.concatenate([[0, 1, 2, width], rng.integers(3, width, rows - 4)]).astype(np.int32)
     slots = rng.permutation(rows).astype(np.int32)
     garbage = np.where(np.arange(width)[None, :] >= length[np.argsort(slots)][:, None], 99, hist)
-    drafts, avail = map(np.asarray, proposers.ngram(jnp.asarray(garbage), jnp.asarray(slots),
-                                                    jnp.asarray(length), k, n_min, n_max))
+    drafts, avail, copied = map(np.asarray, proposers.ngram(
+        jnp.asarray(garbage), jnp.asarray(slots), jnp.asarray(length), k, n_min, n_max))
     for s in range(rows):
         h, L = list(garbage[slots[s], :length[s]]), length[s]
         start = -1
@@ -167,6 +167,7 @@ def test_ngram_proposer_matches_a_brute_force_lookup(n_min, n_max, vocab):
             if hits:
                 start = max(hits) + n
                 break
+        assert copied[s] == (start >= 0)
         if start < 0:
             assert avail[s] == 0
         else:       # the tokens after the match, then around its period (L - start) on to k
@@ -177,8 +178,8 @@ def test_ngram_proposer_matches_a_brute_force_lookup(n_min, n_max, vocab):
 def test_ngram_enumerates_small_histories_exhaustively():
     """Every history of length 5 over 2 symbols: the proposal is the brute-force one."""
     seqs = np.array(list(itertools.product([0, 1], repeat=5)), np.int32)
-    drafts, avail = map(np.asarray, proposers.ngram(jnp.asarray(seqs), jnp.arange(len(seqs)),
-                                                    jnp.full(len(seqs), 5, jnp.int32), 2, 1, 2))
+    drafts, avail, copied = map(np.asarray, proposers.ngram(
+        jnp.asarray(seqs), jnp.arange(len(seqs)), jnp.full(len(seqs), 5, jnp.int32), 2, 1, 2))
     for s, h in enumerate(seqs.tolist()):
         start = -1
         for n in (2, 1):
@@ -186,6 +187,6 @@ def test_ngram_enumerates_small_histories_exhaustively():
             if hits:
                 start = max(hits) + n
                 break
-        assert avail[s] == (0 if start < 0 else 2)
+        assert avail[s] == (0 if start < 0 else 2) and copied[s] == (start >= 0)
         if start >= 0:
             assert list(drafts[s]) == [h[start + j % (5 - start)] for j in range(2)]

@@ -141,7 +141,8 @@ def test_proposer_takes_the_table_only_without_a_match():
     hist[2, :1] = [6]                    # one token: no match, no bigram: 6 alone -> 7, then 2 3
     length = jnp.array([6, 4, 1], jnp.int32)
     args = (jnp.asarray(hist), jnp.arange(3), length, 3, 1, 3)
-    plain_d, plain_a = map(np.asarray, proposers.ngram(*args))
-    drafts, avail = map(np.asarray, proposers.ngram(*args, table=t))
+    plain_d, plain_a, _ = map(np.asarray, proposers.ngram(*args))
+    drafts, avail, copied = map(np.asarray, proposers.ngram(*args, table=t))
     assert plain_a.tolist() == [3, 0, 0] and avail.tolist() == [3, 3, 3]
+    assert copied.tolist() == [True, False, False]       # the table's guesses are not copies
     assert drafts.tolist() == [plain_d[0].tolist(), [7, 2, 3], [7, 2, 3]]

@@ -470,7 +470,8 @@ class Engine:
             progress[req.slot] = (len(req.prompt_token_ids), req.num_tokens,
                                   req.output_token_ids[-1], 1, m.num_draft_tokens,
                                   m.num_accepted_tokens, m.num_drafts, m.num_rejections,
-                                  bool(self.spec) and req.strategy_slot == self.spec.slot)
+                                  bool(self.spec) and req.strategy_slot == self.spec.slot,
+                                  m.copy_accepted, m.copy_rejections)
         with_logprobs = any(req.params.logprobs is not None for req in decode)
         batch, draft, meta, rows = self._host_rows(prefill, decode, with_logprobs)
         args = (batch, draft, rows, with_logprobs)
@@ -530,11 +531,12 @@ class Engine:
         for s in call.prefill:
             self.scheduler.set_computed(s.request, s.start + s.count)
         outputs = self._read_rows(call.meta, drawn, 0) if call.meta else []
-        n, tokens, new_len, live, drafted, accepted = rounds.unpack(out, self.programs.max_rounds)
+        n, tokens, new_len, live, drafted, accepted, copies = rounds.unpack(
+            out, self.programs.max_rounds)
         if call.decode:          # what the rounds left on the device (new tokens, counters)
             at = call.slots
             self.slots.advanced(at, new_len[at], live[at], tokens, drafted[:n, at],
-                                accepted[:n, at])
+                                accepted[:n, at], copies[at])
         self.stats["steps"] += n                           # device rounds
         self.stats["host_steps"] += n > 0        # calls that ran rounds (a follow may run none)
         for req, slot in zip(call.decode, call.slots):
@@ -545,7 +547,7 @@ class Engine:
                                              call.drafts.get(req.request_id, 0) > 0
                                              or bool(drafted[:n, slot].any()),
                                              req.params.logprobs is not None and
-                                             rounds.unpack_logprobs(logprobs, slot))
+                                             rounds.unpack_logprobs(logprobs, slot), copies[slot])
             outputs.append(self._guarded(req, read))
         return [o for o in outputs if o is not None]
 
@@ -609,10 +611,11 @@ class Engine:
         return 1
 
     def _read_rounds(self, req: Request, tokens, new_len: int, drafted, accepted,
-                     speculating: bool, drawn) -> RequestOutput:
+                     speculating: bool, drawn, copies) -> RequestOutput:
         """One request's tokens from several rounds (its slot's row, with their logprobs in
-        ``drawn``, or False if it asked for none), and its counters; tokens past a stop string
-        are dropped, and so are the rounds that drew only them."""
+        ``drawn``, or False if it asked for none), and its counters (``copies``: its copies'
+        accepted drafts and rejecting rounds as the device counts them); tokens past a stop
+        string are dropped, and so are the rounds that drew only them."""
         new = []
         for j in range(new_len - req.num_tokens):
             token = int(tokens[j])
@@ -628,6 +631,7 @@ class Engine:
             for d, a in rounds.taken(drafted, accepted, len(new)):
                 for m in (self.spec.metrics, req.spec_metrics):
                     m.add(d, a)
+            req.spec_metrics.copied(*map(int, copies), self.spec.metrics)
         return self.outputs.output(req, new_token_ids=new)
 
     @property

@@ -68,10 +68,11 @@ def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tu
     (static: a program of its own, so the rounds without it compute and carry nothing more):
     record each new token's raw logprobs.
 
-    Returns (state, out, logprobs, drawn). ``out``, int32 [slots, 3 + W + 2 * max_rounds]: per
+    Returns (state, out, logprobs, drawn). ``out``, int32 [slots, 5 + W + 2 * max_rounds]: per
     slot its new length, the rounds run, whether it is still live, its W = max_rounds * (k + 1)
-    tokens from its old length on, and the drafts proposed and the accepted drafts emitted in
-    each round (``unpack``): one array, so the host reads everything back in one transfer.
+    tokens from its old length on, the drafts proposed and the accepted drafts emitted in each
+    round, and its copies' counts after them (``step.Progress.copy_accepted``, ``copy_rejected``)
+    (``unpack``): one array, so the host reads everything back in one transfer.
     ``logprobs``, int32 [slots, 2, W, 21] with ``with_logprobs`` (else None): per token its rank
     and top-20 ids, then (as float32 bits) its logprob and the top 20 (``unpack_logprobs``).
     ``drawn``: the last round's drawn rows, whose first ``batch.num_logit_rows`` are the
@@ -89,10 +90,10 @@ def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tu
     width = max_rounds * (run.k_max + 1)
     pos = jnp.minimum(length[:, None] + jnp.arange(width)[None, :], st.history.shape[1] - 1)
     tokens = jnp.take_along_axis(st.history, pos, axis=1)
-    out = jnp.concatenate([st.progress.length[:, None],
-                           jnp.broadcast_to(n, length.shape)[:, None],
-                           st.progress.live[:, None].astype(jnp.int32), tokens, drafted.T,
-                           accepted.T], axis=1)
+    q = st.progress
+    out = jnp.concatenate([q.length[:, None], jnp.broadcast_to(n, length.shape)[:, None],
+                           q.live[:, None].astype(jnp.int32), tokens, drafted.T, accepted.T,
+                           q.copy_accepted[:, None], q.copy_rejected[:, None]], axis=1)
     logprobs = (jnp.stack([ids, lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
                 if with_logprobs else None)
     return st, out, logprobs, drawn
@@ -100,11 +101,12 @@ def call(weights, draft_weights, state: DeviceState, batch: StepBatch, draft: tu
 
 def unpack(out, max_rounds: int):
     """``call``'s read-back on the host: (rounds run, tokens [slots, W], new lengths [slots],
-    live flags [slots], drafts and accepted drafts [max_rounds, slots])."""
-    width = out.shape[1] - 3 - 2 * max_rounds
-    rec = out[:, 3 + width:]
+    live flags [slots], drafts and accepted drafts [max_rounds, slots], and the copies' accepted
+    drafts and rejecting rounds so far [slots, 2])."""
+    width = out.shape[1] - 5 - 2 * max_rounds
+    rec = out[:, 3 + width:-2]
     return (int(out[0, 1]), out[:, 3:3 + width], out[:, 0], out[:, 2].astype(bool),
-            rec[:, :max_rounds].T, rec[:, max_rounds:].T)
+            rec[:, :max_rounds].T, rec[:, max_rounds:].T, out[:, -2:])
 
 
 def unpack_logprobs(logprobs, slot: int) -> Drawn:

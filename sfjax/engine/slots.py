@@ -29,8 +29,8 @@ from sfjax.rows import bucket
 from sfjax.step import PROGRESS_FIELDS, Progress
 
 # the columns of the host's progress rows (``SlotSync.progress``)
-PROMPT_LEN, LENGTH, LAST, LIVE, DRAFTED, ACCEPTED, SPEC_ROUNDS, REJECTED, DRAFTS = range(
-    len(PROGRESS_FIELDS))
+(PROMPT_LEN, LENGTH, LAST, LIVE, DRAFTED, ACCEPTED, SPEC_ROUNDS, REJECTED, DRAFTS, COPY_ACCEPTED,
+ COPY_REJECTED) = range(len(PROGRESS_FIELDS))
 
 
 def rows_for(changed: int, num_slots: int) -> int:
@@ -135,11 +135,12 @@ class SlotSync:
         self.progress[:] = -1
 
     def advanced(self, slots: np.ndarray, lengths: np.ndarray, live: np.ndarray,
-                 tokens: np.ndarray, drafted, accepted) -> None:
+                 tokens: np.ndarray, drafted, accepted, copies) -> None:
         """Records what a call of device rounds left in the progress of ``slots`` (int [D]): their
         new ``lengths`` [D], whether each is still ``live`` [D] (a row the rounds ended is not),
         their newest tokens (``tokens`` [slots, W]: each slot's tokens from its old length on),
-        and per round run [rounds, D] the drafts proposed and the accepted drafts emitted."""
+        per round run [rounds, D] the drafts proposed and the accepted drafts emitted, and the
+        copies' counts after them (``copies`` [D, 2])."""
         row = self.progress
         grew = lengths - row[slots, LENGTH]
         row[slots, LAST] = np.where(grew > 0, tokens[slots, np.maximum(grew - 1, 0)],
@@ -151,3 +152,4 @@ class SlotSync:
             row[slots, ACCEPTED] += accepted.sum(axis=0)
             row[slots, SPEC_ROUNDS] += (drafted > 0).sum(axis=0)
             row[slots, REJECTED] += ((drafted > 0) & (accepted < drafted)).sum(axis=0)
+            row[slots, COPY_ACCEPTED], row[slots, COPY_REJECTED] = copies.T

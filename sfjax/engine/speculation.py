@@ -13,7 +13,7 @@ from sfjax.cache import KVCache
 from sfjax.config import ModelConfig
 from sfjax.engine.scheduler import Request
 from sfjax.spec import eagle, table
-from sfjax.spec.config import SpeculativeConfig, adaptive_k, draft_cap, drafts_for
+from sfjax.spec.config import SpeculativeConfig, adaptive_k, draft_cap, drafts_for, kind_counts
 from sfjax.spec.registry import Registry, Strategy
 
 
@@ -25,6 +25,8 @@ class SpecMetrics:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
     num_rejections: int = 0       # drafting rounds that rejected a draft (adaptive_k reads them)
+    copy_accepted: int = 0        # of those, the copies' (``ngram``'s match in its own tokens):
+    copy_rejections: int = 0      # adaptive_k weighs them apart (``spec.config.kind_counts``)
 
     def add(self, k: int, accepted: int) -> None:
         if k <= 0:
@@ -37,6 +39,13 @@ class SpecMetrics:
             self.accepted_per_pos += [0] * (k - len(self.accepted_per_pos))
         for j in range(accepted):
             self.accepted_per_pos[j] += 1
+
+    def copied(self, accepted: int, rejections: int, total: "SpecMetrics") -> None:
+        """Takes the copies' counts as the device has them now (``step.Progress``), and adds
+        what they grew by to the engine's ``total``."""
+        total.copy_accepted += accepted - self.copy_accepted
+        total.copy_rejections += rejections - self.copy_rejections
+        self.copy_accepted, self.copy_rejections = accepted, rejections
 
     @property
     def acceptance_rate(self) -> float:
@@ -51,6 +60,7 @@ class SpecMetrics:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "accepted_per_pos": list(self.accepted_per_pos),
+                "num_accepted_copy_tokens": self.copy_accepted,
                 "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length}
 
@@ -129,8 +139,11 @@ class Speculator:
         free = self.config.method == "ngram" and not self.config.draft_cost
         if self.k_table is not None and not free:        # adaptive_k: from its acceptance
             # (free drafts: up to k_max, as the device may fill its last tile with them)
-            m = req.spec_metrics
-            return int(adaptive_k(self.k_table, m.num_accepted_tokens if m else 0,
-                                  m.num_rejections if m else 0, live, len(req.output_token_ids),
-                                  draft_cap(k, budget, req.num_tokens, self.max_model_len)))
+            m = req.spec_metrics or SpecMetrics()
+            cap = draft_cap(k, budget, req.num_tokens, self.max_model_len)
+            # the device knows only there whether its drafts are a copy (``ngram``): the larger
+            kinds = (False, True) if self.config.method == "ngram" else (False,)
+            return max(int(adaptive_k(self.k_table, *kind_counts(
+                m.num_accepted_tokens, m.num_rejections, m.copy_accepted, m.copy_rejections, copy),
+                live, len(req.output_token_ids), cap, copy=copy)) for copy in kinds)
         return int(drafts_for(k, budget, req.num_tokens, self.max_model_len))

@@ -66,6 +66,10 @@ class _Snapshot:
                       spec["num_draft_tokens"])
         yield counter("sfjax:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                       spec["num_accepted_tokens"])
+        yield counter("sfjax:spec_decode_num_accepted_copy_tokens",
+                      "Of the accepted draft tokens, those n-gram lookup copied from the request's "
+                      "own tokens (the rest: its table's or a draft's).",
+                      spec["num_accepted_copy_tokens"])
         per_pos = CounterMetricFamily("sfjax:spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted at each position.",
                                       labels=names + ["position"])

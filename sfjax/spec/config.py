@@ -19,6 +19,7 @@ MAX_SPECULATIVE_TOKENS = 128
 ADAPTIVE_MAX = 7          # "auto" drafts up to this many: k + 1 verify rows fill one 8-row tile
 ADAPTIVE_LEVELS = 64      # acceptance estimates are read to 1/64 (integers: host == device)
 ADAPTIVE_PRIOR = (2, 2)   # (accepted, rejected) counted before a request's own: an estimate of 1/2
+COPY_PRIOR = (8, 1)       # the same for its drafts that copy its own tokens (``ngram``'s match)
 VERIFY_COST = 0.02        # one more verify row where a call's rows share one kernel launch
 SLOT_COST = 0.35          # a live slot's own work in a round (its attention, draws), in row tiles
 ADAPTIVE_PROBE = 8        # a request adaptive k keeps at 0 drafts 1 each time its output reaches
@@ -241,26 +242,39 @@ def tile_holding(row_tile: int, small: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(min((t for t in small if t >= r), default=row_tile) for r in range(row_tile + 1))
 
 
-def acceptance_level(accepted, rejected, xp=np):
+def acceptance_level(accepted, rejected, xp=np, copy=False):
     """A row's acceptance so far in integer steps of 1 / ADAPTIVE_LEVELS: a = accepted /
     (accepted + rejected), over its ``accepted`` drafts and the ``rejected`` rounds that
-    rejected one (with ``ADAPTIVE_PRIOR``), the estimate of a draft's chance to be accepted
-    after the drafts before it were, which ``SpeculativeConfig.k_table``'s model assumes.
-    (Accepted over drafted would count the drafts after a rejected one as rejected: low at a
-    large k, high at a small one.)"""
-    a0, r0 = ADAPTIVE_PRIOR
+    rejected one (with ``ADAPTIVE_PRIOR``, or ``COPY_PRIOR`` where ``copy``: the counts are
+    its copies', ``kind_counts``), the estimate of a draft's chance to be accepted after the
+    drafts before it were, which ``SpeculativeConfig.k_table``'s model assumes. (Accepted over
+    drafted would count the drafts after a rejected one as rejected: low at a large k, high at
+    a small one.)"""
+    a0, r0 = (xp.where(copy, c, a) for c, a in zip(COPY_PRIOR, ADAPTIVE_PRIOR))
     accepted = xp.asarray(accepted) + a0
     return xp.clip((ADAPTIVE_LEVELS * accepted) // (accepted + xp.asarray(rejected) + r0),
                    0, ADAPTIVE_LEVELS)
 
 
-def adaptive_k(table, accepted, rejected, live, generated, cap, xp=np):
+def kind_counts(accepted, rejected, copy_accepted, copy_rejected, copy, xp=np):
+    """The (accepted drafts, rejecting rounds) of a row's drafts of this round's kind: its
+    copies' where it drafts a copy (``copy``, bool: ``ngram``'s match in the row's own
+    tokens), else its other drafts' (the table's, a draft model's). The two predict apart: on
+    the demo target's code prompts at T = 0 a copy's drafts are taken in runs of 2.3-6.3 of 7
+    on average, the table's in runs of 1.3-3.0 (BENCHMARKS.md), so one estimate over both gives
+    a copy too few drafts and a guess too many."""
+    return (xp.where(copy, copy_accepted, xp.asarray(accepted) - copy_accepted),
+            xp.where(copy, copy_rejected, xp.asarray(rejected) - copy_rejected))
+
+
+def adaptive_k(table, accepted, rejected, live, generated, cap, xp=np, copy=False):
     """Each row's k in a round of ``live`` live rows, at most its ``cap`` (``draft_cap``), read
-    off ``SpeculativeConfig.k_table``'s ``table`` at its ``acceptance_level``, in integer steps,
-    so the engine's host and the device pick the same k; a row the table gives 0 drafts 1 when
-    its ``generated`` output tokens are a multiple of ``ADAPTIVE_PROBE`` (and it may draft)."""
+    off ``SpeculativeConfig.k_table``'s ``table`` at its ``acceptance_level`` (its counts of
+    this round's kind, ``kind_counts``, and ``copy``), in integer steps, so the engine's host
+    and the device pick the same k; a row the table gives 0 drafts 1 when its ``generated``
+    output tokens are a multiple of ``ADAPTIVE_PROBE`` (and it may draft)."""
     table, cap = xp.asarray(table), xp.clip(xp.asarray(cap), 0, table.shape[2] - 1)
-    k = table[xp.clip(live, 0, table.shape[0] - 1), acceptance_level(accepted, rejected, xp),
+    k = table[xp.clip(live, 0, table.shape[0] - 1), acceptance_level(accepted, rejected, xp, copy),
               cap].astype(np.int32)
     return xp.where((k == 0) & (cap > 0) & (xp.asarray(generated) % ADAPTIVE_PROBE == 0), 1, k)
 

@@ -48,7 +48,9 @@ def ngram(history, slots, length, k: int, n_min: int, n_max: int, table: T.Ngram
     Args:
       history: int32 [max_seqs, L] tokens by position; slots, length: int32 [S].
     Returns:
-      (drafts int32 [S, k], available int32 [S]: how many of them exist, 0 if no match).
+      (drafts int32 [S, k], available int32 [S]: how many of them exist, 0 if no match, and
+      copied bool [S]: whether they are a match's, not the table's; adaptive k weighs the two
+      kinds apart, ``spec.config.kind_counts``).
     """
     hist = history[jnp.maximum(slots, 0)]                       # [S, L]
     s, width = hist.shape
@@ -81,7 +83,7 @@ def ngram(history, slots, length, k: int, n_min: int, n_max: int, table: T.Ngram
         none = best_start < 0
         drafts = jnp.where(none[:, None], t_drafts, drafts)
         available = jnp.where(none & (length >= 1), t_available, available)
-    return drafts, available.astype(jnp.int32)
+    return drafts, available.astype(jnp.int32), best_start >= 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +99,8 @@ class Ngram:
         if spec.drafts is not None:        # looked up before the layout (``functional._spec_k``)
             drafts, available = spec.drafts, spec.k
         else:
-            drafts, available = ngram(ctx.history, spec.slots, spec.length, self.k_max, self.n_min,
-                                      self.n_max, table=draft_weights)
+            drafts, available, _ = ngram(ctx.history, spec.slots, spec.length, self.k_max,
+                                         self.n_min, self.n_max, table=draft_weights)
         logq = None
         if ctx.compares_distributions:        # a proposal is a point mass
             logq = jnp.where(jax.nn.one_hot(drafts, ctx.run.model.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)

@@ -9,7 +9,8 @@ import pytest
 from sfjax import LLM
 from sfjax.benchmark import compiles
 from sfjax.spec.config import (ADAPTIVE_LEVELS, ADAPTIVE_MAX, ADAPTIVE_PROBE, SpeculativeConfig,
-                               adaptive_k, drafts_pay, fill_tile, round_drafts)
+                               acceptance_level, adaptive_k, drafts_pay, fill_tile, kind_counts,
+                               round_drafts)
 from spec_util import (BATCH8_SEED, GEOMETRY, assert_same_outputs, delta, greedy, prompts,
                        repeated_prompts, run, sampled, spec_counters)
 
@@ -56,6 +57,37 @@ def test_the_k_table_weighs_acceptance_against_the_rounds_cost():
     assert host[2] == ADAPTIVE_MAX and list(host[3:]) == [0, 1, 0, 0]
     with pytest.raises(ValueError, match="draft_cost"):
         SpeculativeConfig("ngram", 8, adaptive_k=True, draft_cost=-1.0)
+
+
+def test_copies_and_guesses_are_weighed_apart():
+    """A row's copies (n-gram drafts of a match in its own tokens) and its other drafts keep
+    their own acceptance (``kind_counts``), each with its prior: a fresh row drafts the most it
+    may on a copy and little on a guess; each kind's rejections lower only its own k; the host's
+    numpy and the device's jax.numpy read the same entries."""
+    from sfjax import toy
+    table = SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True).k_table(
+        toy.tiny_config(), 8, row_tile=8, small=(2, 4))
+    copy = np.array([True, False, True, False, True, False])
+    # all accepted / rejecting rounds, and the copies' among them
+    accepted, rejected = np.array([0, 0, 30, 30, 30, 30]), np.array([0, 0, 20, 20, 2, 2])
+    c_accepted, c_rejected = np.array([0, 0, 5, 5, 28, 28]), np.array([0, 0, 18, 18, 1, 1])
+    counts = kind_counts(accepted, rejected, c_accepted, c_rejected, copy)
+    assert [c.tolist() for c in counts] == [[0, 0, 5, 25, 28, 2], [0, 0, 18, 2, 1, 1]]
+    level = acceptance_level(*counts, copy=copy)
+    assert level[0] > level[1] and level[2] < level[3] and level[4] > level[1]
+    live, generated, cap = np.ones(6, np.int32), np.full(6, 5), np.full(6, ADAPTIVE_MAX)
+    host = adaptive_k(table, *counts, live, generated, cap, copy=copy)
+    assert host[0] == ADAPTIVE_MAX and host[1] < host[0]      # fresh: copy 8/9, guess 1/2
+    assert host[2] < host[3] and host[4] == ADAPTIVE_MAX      # a kind's rejections are its own
+    jnp = jax.numpy
+    device = adaptive_k(table, *kind_counts(*map(jnp.asarray, (accepted, rejected, c_accepted,
+                                                               c_rejected, copy)), xp=jnp),
+                        live, generated, cap, jnp, jnp.asarray(copy))
+    assert (np.asarray(device) == host).all()
+    # without copies (every proposer but n-gram lookup) the estimate is the one over all drafts
+    none = np.zeros(6, bool)
+    assert (acceptance_level(*kind_counts(accepted, rejected, 0, 0, none), copy=none)
+            == acceptance_level(accepted, rejected)).all()
 
 
 def test_a_rounds_drafts_are_dropped_where_they_do_not_pay():
