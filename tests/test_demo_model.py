@@ -124,6 +124,20 @@ def test_the_ngram_table_ships_and_drafts_where_lookup_cannot(default_llm, held_
         assert counts["table"][field] > counts["lookup"][field], (field, counts)
 
 
+def _ngram_equals_plain(default_llm, prompts, max_tokens: int, slots: int, k):
+    """The embedded n-gram + table setting at ``k`` (an int or "auto") over ``slots`` slots
+    decodes ``prompts`` greedily to plain decoding's tokens; returns its engine's metrics."""
+    from sfjax.default_model import default_speculative_config
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(max_num_seqs=slots, speculative_config={**default_speculative_config("ngram"),
+                                                      "num_speculative_tokens": k})
+    got = llm.generate(prompts, params, use_tqdm=False)
+    want = default_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    return llm.get_metrics()
+
+
 def test_adaptive_k_keeps_drafting_over_a_full_tile_of_rows(default_llm):
     """Adaptive k (n-gram + table, "auto") with 8 slots, over 4 benchmark code prompts and 4 of
     random ids (the bench's --mixed): plain decoding's tokens, and the rows keep drafting to the
@@ -131,18 +145,11 @@ def test_adaptive_k_keeps_drafting_over_a_full_tile_of_rows(default_llm):
     its third round's table k (2, 1, ..., 1: 17 rows, three tiles) did not pay, no row drafted
     again, and the batch ran 61 rounds with 43 drafting rows in all (127 and 42 at 128 tokens)."""
     from sfjax.benchmark import random_workload
-    from sfjax.default_model import default_speculative_config
 
     code = [default_llm.get_tokenizer().encode(p).ids for p in code_prompts.code_prompts(4)]
     noise = random_workload(4, len(code[0]), 128, default_llm.model_config.vocab_size, 0)
     prompts = [{"prompt_token_ids": p} for p in code + noise.prompt_ids]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm = LLM(max_num_seqs=8, speculative_config={**default_speculative_config("ngram"),
-                                                  "num_speculative_tokens": "auto"})
-    got = llm.generate(prompts, params, use_tqdm=False)
-    want = default_llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    m = llm.get_metrics()
+    m = _ngram_equals_plain(default_llm, prompts, 64, 8, "auto")
     assert m["steps"] < 45 and m["spec_decode"]["num_drafts"] > 4 * m["steps"], m   # 36, 227
 
 
@@ -151,17 +158,9 @@ def test_prompt_lookup_drafts_on_around_a_short_period(default_llm):
     output loops): plain decoding's tokens, in fewer rounds than before a match p < k tokens back
     drafted on around its period (``proposers.ngram``) and the table chained past its width
     (``table.lookup``): then 49 rounds (162 drafts), now 38 (234)."""
-    from sfjax.default_model import default_speculative_config
-
     tok = default_llm.get_tokenizer()
     prompts = [{"prompt_token_ids": tok.encode(p).ids} for p in code_prompts.code_prompts(2)]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm = LLM(max_num_seqs=1, speculative_config={**default_speculative_config("ngram"),
-                                                  "num_speculative_tokens": 7})
-    got = llm.generate(prompts, params, use_tqdm=False)
-    want = default_llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    m = llm.get_metrics()
+    m = _ngram_equals_plain(default_llm, prompts, 64, 1, 7)
     assert m["steps"] < 44 and m["spec_decode"]["num_draft_tokens"] > 200, m
 
 
@@ -171,18 +170,10 @@ def test_adaptive_k_weighs_copies_apart_from_the_tables_guesses(default_llm):
     covered a row's copies (a match in its own tokens) and the table's guesses alike
     (``spec.config.kind_counts``): then 54 + 53 rounds, now 45 + 46, prefill included; the
     accepted copies are counted."""
-    from sfjax.default_model import default_speculative_config
-
     tok = default_llm.get_tokenizer()
     code = code_prompts.code_prompts(7)
     prompts = [{"prompt_token_ids": tok.encode(code[i]).ids} for i in (2, 6)]
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    llm = LLM(max_num_seqs=1, speculative_config={**default_speculative_config("ngram"),
-                                                  "num_speculative_tokens": "auto"})
-    got = llm.generate(prompts, params, use_tqdm=False)
-    want = default_llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    m = llm.get_metrics()
+    m = _ngram_equals_plain(default_llm, prompts, 128, 1, "auto")
     assert m["steps"] < 99, m                                                    # 91; then 107
     d = m["spec_decode"]
     assert 0 < d["num_accepted_copy_tokens"] < d["num_accepted_tokens"], d

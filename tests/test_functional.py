@@ -399,10 +399,11 @@ def test_ngram_lays_out_verify_rows_only_for_the_drafts_it_found(pair):
     last = p.last.at[0].set(seg[(n - 1) % 4])
     st = dataclasses.replace(st, history=st.history.at[0, :n].set(jnp.asarray((seg * 9)[:n])),
                              progress=dataclasses.replace(p, last=last))
-    batch, sb, (order, live, k, _) = F._layout(st, cfg, False)
+    batch, sb, (order, live, k, _, copied) = F._layout(st, cfg, False)
     p = st.progress
-    drafts, available, _ = proposers.ngram(st.history, order, p.length[order], 3, 1, 4)
+    drafts, available, matched = proposers.ngram(st.history, order, p.length[order], 3, 1, 4)
     assert bool(live.all()) and available[1] == 0 < available[0]
+    np.testing.assert_array_equal(copied, matched)    # the round counts its copies apart
     np.testing.assert_array_equal(k, np.minimum(3, available))
     np.testing.assert_array_equal(sb.k, k)
     np.testing.assert_array_equal(sb.drafts, drafts)
