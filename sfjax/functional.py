@@ -377,8 +377,8 @@ def _layout(st: State, cfg: Config, with_logprobs: bool, shape: tuple | None = N
         draws = jax.tree.map(lambda x: x[:r], _draws(order, length, plen, 1, wide))
     else:       # each slot's k + 1 rows packed, by its own k: the padding all at the end
         k, drafts, copied = _spec_k(st, cfg, order, live, length, plen,
-                            0 if host is None else host.running,
-                            0 if host is None else jnp.sum(host.rows), dw)
+                                    0 if host is None else host.running,
+                                    0 if host is None else jnp.sum(host.rows), dw)
         first, n = sharding.slot_rows(slot, live, s, cfg.mesh, k1, cfg.row_tile, counts=k + 1,
                                       rows=n_rows, after=after)
         logit_first, logit_rows, num_logit_rows, draws = _packed_logit_rows(

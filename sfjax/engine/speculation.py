@@ -25,8 +25,8 @@ class SpecMetrics:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
     num_rejections: int = 0       # drafting rounds that rejected a draft (adaptive_k reads them)
-    copy_accepted: int = 0        # of those, the copies' (``ngram``'s match in its own tokens):
-    copy_rejections: int = 0      # adaptive_k weighs them apart (``spec.config.kind_counts``)
+    copy_accepted: int = 0        # of the accepted drafts and those rounds, the copies'
+    copy_rejections: int = 0      # (``ngram``'s match in its own tokens), weighed apart
 
     def add(self, k: int, accepted: int) -> None:
         if k <= 0:
@@ -141,7 +141,8 @@ class Speculator:
             # (free drafts: up to k_max, as the device may fill its last tile with them)
             m = req.spec_metrics or SpecMetrics()
             cap = draft_cap(k, budget, req.num_tokens, self.max_model_len)
-            # the device knows only there whether its drafts are a copy (``ngram``): the larger
+            # whether a row drafts a copy only the device knows (``ngram`` looks up there): the
+            # bound is the larger k of the two kinds
             kinds = (False, True) if self.config.method == "ngram" else (False,)
             return max(int(adaptive_k(self.k_table, *kind_counts(
                 m.num_accepted_tokens, m.num_rejections, m.copy_accepted, m.copy_rejections, copy),

@@ -184,18 +184,48 @@ def test_ngram_and_eagle3_with_adaptive_k_equal_plain(spec_llm, plain_llm, eagle
         assert delta(before, spec_counters(llm))["num_drafts"] > 0
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_the_hosts_k_for_priced_ngram_drafts_bounds_both_kinds():
+    """For n-gram drafts at a ``draft_cost`` the host grows a request's pages for its k
+    (``Speculator.k_for``) without knowing whether the device's lookup will find a copy: it
+    takes the larger of the two kinds' k, so the device's never passes it."""
+    from types import SimpleNamespace
+
+    from sfjax import toy
+    from sfjax.engine.speculation import SpecMetrics, Speculator
+    from sfjax.spec.config import draft_cap
+
+    cfg = toy.tiny_config()
+    config = SpeculativeConfig("ngram", ADAPTIVE_MAX, adaptive_k=True, draft_cost=0.05)
+    spec = Speculator(config, cfg, 64, 16, 16)
+    spec.k_table = config.k_table(cfg, 1, row_tile=8, small=(2, 4))
+    cap = draft_cap(ADAPTIVE_MAX, 40, 20, 64)
+    for copies, guesses in (((38, 2), (2, 20)), ((2, 20), (38, 2)), ((0, 0), (0, 0))):
+        m = SpecMetrics(num_accepted_tokens=copies[0] + guesses[0],
+                        num_rejections=copies[1] + guesses[1], copy_accepted=copies[0],
+                        copy_rejections=copies[1])
+        req = SimpleNamespace(strategy_slot=spec.slot, spec_metrics=m, output_token_ids=[1] * 5,
+                              num_tokens=20)
+        device = [int(adaptive_k(spec.k_table, *kind_counts(
+            m.num_accepted_tokens, m.num_rejections, m.copy_accepted, m.copy_rejections, copy),
+            1, 5, cap, copy=copy)) for copy in (False, True)]
+        assert spec.k_for(req, 40, 1) == max(device) and device[0] != device[1], device
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "ngram priced"])
 def test_host_and_device_pick_the_same_k_and_nothing_recompiles(tiny_folder, drafts, monkeypatch,
                                                                 method):
-    """One step per call (the host picks k, or for free n-gram drafts a bound on it) and eight
-    (the device does): the same drafts and acceptances request by request. Then a workload whose
-    acceptance, so its k, differs runs on the programs already compiled (each bucket compiled at
-    its first ask, ``COMPILE_AFTER`` 0: this is about k)."""
+    """One step per call (the host picks k, or for n-gram drafts a bound on it) and eight (the
+    device does): the same drafts and acceptances request by request, free n-gram drafts and
+    priced ones. Then a workload whose acceptance, so its k, differs runs on the programs
+    already compiled (each bucket compiled at its first ask, ``COMPILE_AFTER`` 0: this is about
+    k)."""
     import sfjax.engine.compile as buckets
 
     monkeypatch.setattr(buckets, "COMPILE_AFTER", 0)
     spec = ({"method": "draft_model", "model": drafts["near"], "draft_cost": 0.1}
             if method == "draft_model" else {"method": "ngram", "prompt_lookup_max": 3})
+    if method == "ngram priced":
+        spec["draft_cost"] = 0.05
     spec["num_speculative_tokens"] = "auto"
     ps = prompts(8, seed=BATCH8_SEED) if method == "draft_model" else repeated_prompts(8, seed=3)
     counters = {}
