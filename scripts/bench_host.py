@@ -5,9 +5,9 @@ Run:
     python scripts/bench_host.py [--batch-sizes 1,32] [--max-tokens 64] [--steps 1,8] [--repeats 3]
         [--stop STRING ...] [--logprobs N] [--slots N] [--cpu-threads N] [--profile TOP]
 
-Per (batch size B, method plain | ngram, num_scheduler_steps), B prompts of 48 random token ids
-(fixed seed) generate exactly --max-tokens tokens each, half greedy and half seeded T = 0.8 with
-top-p and a presence penalty (so the per-request sampling settings are real work); with
+Per (batch size B, method plain | ngram (the embedded table, k = 3), num_scheduler_steps), B
+prompts of 48 random token ids (fixed seed) generate exactly --max-tokens tokens each, half greedy
+and half seeded T = 0.8 with top-p and a presence penalty (so the per-request sampling settings are real work); with
 --stop, every request carries those stop strings (pick ones the output never completes, so the
 work stays the same: the host still checks them after every token); with --logprobs N, every
 request asks for its tokens' top-N logprobs; with --slots N, the engine has N slots
@@ -218,7 +218,8 @@ def main():
                   for i in range(b)]
         for method in ("plain", "ngram"):
             for steps in map(int, args.steps.split(",")):
-                spec = default_speculative_config("ngram") if method == "ngram" else None
+                spec = ({**default_speculative_config("ngram"), "num_speculative_tokens": 3}
+                        if method == "ngram" else None)
                 llm = LLM(default_model_path(), max_num_seqs=args.slots or max(b, 4),
                           max_model_len=256,
                           num_scheduler_steps=steps, speculative_config=spec)

@@ -39,7 +39,7 @@ def methods() -> dict[str, dict | None]:
                                      default_speculative_config)
     head = default_eagle_path()
     return {"plain": None,
-            "ngram+table k3": default_speculative_config("ngram"),
+            "ngram+table k3": {**default_speculative_config("ngram"), "num_speculative_tokens": 3},
             "ngram+table auto": {**default_speculative_config("ngram"),
                                  "num_speculative_tokens": "auto"},
             "draft k4": {"method": "draft_model", "model": default_draft_path(),

@@ -226,7 +226,7 @@ def _common(p: argparse.ArgumentParser, requests: bool = True) -> None:
     requests take (``sfjax serve`` takes them from each HTTP request instead)."""
     p.add_argument("--model", default=None,
                    help="HF model folder (default: the embedded model; generate and serve then "
-                        "draft with its n-gram table, k = 3, and bench runs it plain, unless "
+                        "draft with its n-gram table, adaptive k, and bench runs it plain, unless "
                         "--speculative-config says otherwise)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)

@@ -33,11 +33,13 @@ def default_ngram_table_path() -> str:
 
 def default_speculative_config(method: str = "ngram") -> dict:
     """``speculative_config`` for the embedded target: ``"ngram"`` (the default of ``sfjax
-    generate``), prompt lookup of the last 3 tokens with the target's n-gram draft table, k = 3,
-    the fastest exact setting on CPU at T = 0 and T = 0.8 (BENCHMARKS.md); ``"draft_model"``,
-    the embedded draft, k = 4; or ``"eagle3"``, the embedded EAGLE-3 head, adaptive k."""
+    generate`` and ``sfjax serve``), prompt lookup of the last 3 tokens with the target's n-gram
+    draft table, adaptive k (up to 7 drafts a round, each request's k from its own acceptance):
+    on CPU at par with the best fixed k at T = 0 and well ahead of k = 3 at T = 0.8, where fixed
+    drafts mostly fail (BENCHMARKS.md); ``"draft_model"``, the embedded draft, k = 4; or
+    ``"eagle3"``, the embedded EAGLE-3 head, adaptive k."""
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3,
+        return {"method": "ngram", "num_speculative_tokens": "auto", "prompt_lookup_min": 3,
                 "prompt_lookup_max": 3, "prompt_lookup_table": default_ngram_table_path()}
     if method == "draft_model":
         return {"method": "draft_model", "model": default_draft_path(), "num_speculative_tokens": 4}

@@ -32,7 +32,7 @@ def add_parser(sub, common) -> None:
     """``sfjax serve [MODEL] [--host] [--port] ...`` with ``common``'s engine flags."""
     s = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming)",
                        description="Serves MODEL (an HF folder; default: the embedded target, "
-                                   "speculating with its n-gram table, k = 3) over HTTP with "
+                                   "speculating with its n-gram table, adaptive k) over HTTP with "
                                    "OpenAI's API: /v1/completions, /v1/chat/completions, "
                                    "/v1/models, /health, /metrics, /tokenize, /detokenize.")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
