@@ -7,11 +7,11 @@ Run:
 
 Per (batch size B, method plain | ngram (the embedded table, k = 3), num_scheduler_steps), B
 prompts of 48 random token ids (fixed seed) generate exactly --max-tokens tokens each, half greedy
-and half seeded T = 0.8 with top-p and a presence penalty (so the per-request sampling settings are real work); with
---stop, every request carries those stop strings (pick ones the output never completes, so the
-work stays the same: the host still checks them after every token); with --logprobs N, every
-request asks for its tokens' top-N logprobs; with --slots N, the engine has N slots
-(max_num_seqs; default max(B, 4)), so with fewer than B the rest wait for one. A warm-up
+and half seeded T = 0.8 with top-p and a presence penalty (so the per-request sampling settings are
+real work); with --stop, every request carries those stop strings (pick ones the output never
+completes, so the work stays the same: the host still checks them after every token); with
+--logprobs N, every request asks for its tokens' top-N logprobs; with --slots N, the engine has N
+slots (max_num_seqs; default max(B, 4)), so with fewer than B the rest wait for one. A warm-up
 run compiles; the timed run wraps the engine's compiled programs so each call blocks until its
 outputs are ready, and splits every ``Engine.step`` into
   * device: the time inside the engine's programs (one round, or several per call);
